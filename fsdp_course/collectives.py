@@ -1,0 +1,151 @@
+"""The five collectives of the course, as thin layers over a real `torch.distributed` process group.
+
+Each function takes the rank context explicitly (no global default group: ranks may be threads),
+checks its input with a message that says what to do, lets the simulator's monitor compare the
+call across ranks, runs the real collective on `ctx.group` (Gloo on CPU, NCCL on GPUs), and records
+it in `ctx.ledger`. These are the same low-level calls the article makes through JavaCPP:
+`ProcessGroupGloo.broadcast(TensorVector, BroadcastOptions)`, `allreduce`, `allgather`,
+`reduce_scatter(..., ReduceScatterOptions)`, here with Python lists instead of TensorVector.
+
+Gloo needs equal-sized chunks for all_gather and reduce_scatter, so callers pad (see flat_param).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from fsdp_course.monitor import Signature
+
+if TYPE_CHECKING:
+    from fsdp_course.context import RankContext
+
+__all__ = ["all_gather", "all_reduce", "barrier", "broadcast", "reduce_scatter"]
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _check_tensor(ctx: RankContext, op: str, tensor: object, name: str = "tensor") -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != ctx.device.type:
+        raise ValueError(f"{op}: {name} is on {tensor.device}, but this rank's group works on {ctx.device}: "
+                         f"move it with .to(ctx.device)")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous: call .contiguous() first")
+    return tensor
+
+
+def _check_op(op_name: str, op: str, tensor: torch.Tensor) -> None:
+    allowed = ("sum", "mean") if op_name == "reduce_scatter" else tuple(_REDUCE_OPS)
+    if op not in allowed:
+        raise ValueError(f"{op_name}: op must be one of {', '.join(map(repr, allowed))}, got {op!r}")
+    if op == "mean" and not tensor.is_floating_point():
+        raise TypeError(f"{op_name}: op='mean' needs a floating-point tensor, got {tensor.dtype}")
+
+
+def _begin(ctx: RankContext, op: str, tensors: list[torch.Tensor], extra: str = "") -> Signature:
+    ctx._seq += 1
+    sig = Signature(op, ctx._seq, tuple(tuple(t.shape) for t in tensors),
+                    _dtype_name(tensors[0]) if tensors else "-", extra)
+    if ctx._monitor is not None:
+        ctx._monitor.check(ctx.rank, sig)
+    return sig
+
+
+def _end(ctx: RankContext, sig: Signature, payload: int, src: int = 0) -> None:
+    ctx.ledger.add(sig.op, sig.seq, sig.dtype, sig.shapes, payload, src)
+    if ctx._monitor is not None:
+        ctx._monitor.collective_done(ctx.rank, sig)
+
+
+def broadcast(ctx: RankContext, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Copy `tensor` from rank `src` into `tensor` on every rank (in place); returns it."""
+    _check_tensor(ctx, "broadcast", tensor)
+    if not 0 <= src < ctx.world_size:
+        raise ValueError(f"broadcast: src must be a rank in 0..{ctx.world_size - 1}, got {src}")
+    sig = _begin(ctx, "broadcast", [tensor], f"src={src}")
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    ctx.group.broadcast([tensor], opts).wait()
+    _end(ctx, sig, tensor.numel() * tensor.element_size(), src)
+    return tensor
+
+
+def all_reduce(ctx: RankContext, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Reduce `tensor` over all ranks with `op` ("sum", "mean" or "max"), in place; returns it."""
+    _check_tensor(ctx, "all_reduce", tensor)
+    _check_op("all_reduce", op, tensor)
+    sig = _begin(ctx, "all_reduce", [tensor], f"op={op}")
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _REDUCE_OPS[op]
+    ctx.group.allreduce([tensor], opts).wait()
+    if op == "mean":
+        tensor.div_(ctx.world_size)
+    _end(ctx, sig, tensor.numel() * tensor.element_size())
+    return tensor
+
+
+def all_gather(ctx: RankContext, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along dim 0, in rank order, on every rank.
+
+    Returns a tensor of shape (world_size * tensor.shape[0], *tensor.shape[1:]); pass `out` to
+    gather into a buffer you own (FSDP does, to free it afterwards).
+    """
+    _check_tensor(ctx, "all_gather", tensor)
+    if tensor.dim() == 0:
+        raise ValueError("all_gather: tensor must have at least one dimension: use tensor.reshape(1)")
+    n = ctx.world_size
+    shape = (n * tensor.shape[0], *tensor.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    else:
+        _check_tensor(ctx, "all_gather", out, "out")
+        if tuple(out.shape) != shape or out.dtype != tensor.dtype:
+            raise ValueError(f"all_gather: out must have shape {shape} and dtype {tensor.dtype}, "
+                             f"got {tuple(out.shape)} and {out.dtype}")
+    sig = _begin(ctx, "all_gather", [tensor])
+    ctx.group.allgather([list(out.chunk(n))], [tensor]).wait()  # views into out: (shard, ...) each
+    _end(ctx, sig, out.numel() * out.element_size())
+    return out
+
+
+def reduce_scatter(ctx: RankContext, tensor: torch.Tensor, op: str = "sum",
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reduce `tensor` over all ranks, then give rank r the r-th of `world_size` equal chunks (dim 0).
+
+    `tensor.shape[0]` must divide by the world size (Gloo needs equal chunks: pad first).
+    """
+    _check_tensor(ctx, "reduce_scatter", tensor)
+    _check_op("reduce_scatter", op, tensor)
+    n = ctx.world_size
+    if tensor.dim() == 0 or tensor.shape[0] % n:
+        raise ValueError(f"reduce_scatter: the first dimension ({tuple(tensor.shape)}) must divide by the "
+                         f"world size {n}: pad the tensor to a multiple of {n} first")
+    shape = (tensor.shape[0] // n, *tensor.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    elif tuple(out.shape) != shape or out.dtype != tensor.dtype:
+        raise ValueError(f"reduce_scatter: out must have shape {shape} and dtype {tensor.dtype}, "
+                         f"got {tuple(out.shape)} and {out.dtype}")
+    sig = _begin(ctx, "reduce_scatter", [tensor], f"op={op}")
+    opts = dist.ReduceScatterOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    ctx.group.reduce_scatter([out], [list(tensor.chunk(n))], opts).wait()
+    if op == "mean":
+        out.div_(n)
+    _end(ctx, sig, tensor.numel() * tensor.element_size())
+    return out
+
+
+def barrier(ctx: RankContext) -> None:
+    """Wait until every rank has reached this point."""
+    sig = _begin(ctx, "barrier", [])
+    ctx.group.barrier().wait()
+    _end(ctx, sig, 0)

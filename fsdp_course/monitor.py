@@ -1,0 +1,127 @@
+"""The simulator's referee: it sees every rank's collectives and stops mismatches and hangs early.
+
+Real ranks are processes and cannot see each other, so a collective called with a different
+operation, shape or dtype on one rank simply hangs until Gloo's timeout (or, worse, reduces the
+wrong bytes). Ranks simulated as threads share memory, so before each collective every rank posts
+its *signature* (operation, sequence number, shapes, dtype) here and waits until all ranks have
+posted theirs. Then:
+
+- signatures differ           -> every rank raises `CollectiveMismatch`, naming what differs;
+- a peer finished or failed   -> the waiting ranks raise `CollectiveHang` / `PeerFailed` at once;
+- a peer never arrives        -> after the timeout, `CollectiveHang` lists every rank's state.
+
+Only then does the real Gloo collective run, so it never hangs on a mismatch. This is the same idea
+as PyTorch's `TORCH_DISTRIBUTED_DEBUG=DETAIL` collective fingerprinting, done in shared memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+__all__ = ["CollectiveHang", "CollectiveMismatch", "PeerFailed", "Signature", "WorldMonitor"]
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What one rank is about to run: compared across ranks before the real collective."""
+
+    op: str
+    seq: int
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+    extra: str = ""  # e.g. "op=sum" or "src=0"
+
+    def describe(self) -> str:
+        shapes = ", ".join(str(tuple(s)) for s in self.shapes)
+        extra = f", {self.extra}" if self.extra else ""
+        return f"{self.op} #{self.seq} (shapes [{shapes}], {self.dtype}{extra})"
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks called different collectives (or shapes, or dtypes) at the same sequence number."""
+
+
+class CollectiveHang(RuntimeError):
+    """A rank waited in a collective that some peer will never (or did not in time) join."""
+
+
+class PeerFailed(RuntimeError):
+    """This rank was released because another rank failed."""
+
+
+class WorldMonitor:
+    """Shared by the rank threads of one `run_ranks` call."""
+
+    def __init__(self, world_size: int, timeout: float) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self.abort = threading.Event()
+        self._cond = threading.Condition()
+        self._posted: dict[int, dict[int, Signature]] = {}  # seq -> rank -> signature
+        self._left: dict[int, int] = {}  # seq -> ranks that have left the rendezvous
+        self._state: list[str] = ["running, no collective yet"] * world_size
+        self._done = [0] * world_size  # collectives completed per rank
+        self._terminal = [False] * world_size
+
+    # -- rank states -------------------------------------------------------------------------------
+    def set_finished(self, rank: int) -> None:
+        with self._cond:
+            self._state[rank] = f"finished after {self._done[rank]} collective(s)"
+            self._terminal[rank] = True
+            self._cond.notify_all()
+
+    def set_failed(self, rank: int, exc: BaseException) -> None:
+        with self._cond:
+            self._state[rank] = f"failed with {type(exc).__name__} after {self._done[rank]} collective(s)"
+            self._terminal[rank] = True
+            if not isinstance(exc, (PeerFailed, CollectiveHang, CollectiveMismatch)):
+                self.abort.set()
+            self._cond.notify_all()
+
+    def collective_done(self, rank: int, sig: Signature) -> None:
+        with self._cond:
+            self._done[rank] += 1
+            self._state[rank] = f"running, last finished {sig.op} #{sig.seq}"
+
+    def report(self) -> str:
+        return "\n".join(f"  rank {r}: {s}" for r, s in enumerate(self._state))
+
+    # -- the rendezvous before each collective -----------------------------------------------------
+    def check(self, rank: int, sig: Signature) -> None:
+        """Block until every rank posted its signature for `sig.seq`; raise if they differ."""
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            posted = self._posted.setdefault(sig.seq, {})
+            posted[rank] = sig
+            self._state[rank] = f"waiting in {sig.describe()}"
+            self._cond.notify_all()
+            try:
+                while len(posted) < self.world_size:
+                    if self.abort.is_set():
+                        raise PeerFailed(f"rank {rank} released from {sig.op} #{sig.seq}: a peer failed")
+                    missing = [r for r in range(self.world_size) if r not in posted]
+                    if all(self._terminal[r] for r in missing):
+                        raise CollectiveHang(
+                            f"{sig.op} #{sig.seq} can never complete: rank(s) "
+                            f"{', '.join(map(str, missing))} ended without joining it.\n{self.report()}")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise CollectiveHang(
+                            f"timed out after {self.timeout:g} s in {sig.op} #{sig.seq}: rank(s) "
+                            f"{', '.join(map(str, missing))} never joined it.\n{self.report()}")
+                    self._cond.wait(min(remaining, 0.5))
+                differ = {s.op for s in posted.values()} != {sig.op} or len(set(posted.values())) > 1
+                if differ:
+                    lines = "\n".join(f"  rank {r}: {posted[r].describe()}" for r in sorted(posted))
+                    raise CollectiveMismatch(f"collective mismatch at call #{sig.seq}:\n{lines}")
+                self._state[rank] = f"in {sig.describe()}"
+            except BaseException:
+                if len(posted) < self.world_size:
+                    del posted[rank]  # withdraw: a late peer must not run the real collective alone
+                raise
+            finally:
+                self._left[sig.seq] = self._left.get(sig.seq, 0) + 1
+                if self._left[sig.seq] == self.world_size:
+                    del self._posted[sig.seq], self._left[sig.seq]

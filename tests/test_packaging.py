@@ -1,0 +1,49 @@
+"""Set-up files agree: environment.yml and pyproject.toml list the same dependencies; CI runs make test."""
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def normalize(req: str) -> str:
+    return re.sub(r"\s+", "", req).lower()
+
+
+def conda_pip_requirements(text: str) -> list[str]:
+    """The entries of the `- pip:` list in environment.yml."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "- pip:")
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    reqs = []
+    for line in lines[start + 1:]:
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if len(line) - len(line.lstrip()) <= indent:
+            break
+        reqs.append(line.strip().removeprefix("- ").strip())
+    return reqs
+
+
+def test_environment_yml_and_pyproject_list_the_same_dependencies() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    deps = {normalize(d) for d in pyproject["project"]["dependencies"]}
+    conda = {normalize(d) for d in conda_pip_requirements((ROOT / "environment.yml").read_text())}
+    assert deps == conda, f"only in pyproject: {deps - conda}; only in environment.yml: {conda - deps}"
+    assert "torch==2.13.0" in deps
+    assert "python=3.11" in (ROOT / "environment.yml").read_text()
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "make test" in readme and "make lab" in readme
+    assert "conda env create -f environment.yml" in readme
+    assert re.search(r"^make test$", ci, re.M)
+
+
+def test_gitignore_keeps_environments_and_scratch_out() -> None:
+    ignored = (ROOT / ".gitignore").read_text().split()
+    for entry in (".venv/", ".ipynb_checkpoints/", "__pycache__/", "checkpoints/", "scratch/"):
+        assert entry in ignored

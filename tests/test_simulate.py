@@ -1,0 +1,206 @@
+"""The in-notebook rank simulator: results, output, failures, hangs, mismatches and hygiene."""
+
+import os
+import tempfile
+import threading
+import time
+
+import pytest
+import torch
+
+from fsdp_course import CollectiveHang, CollectiveMismatch, RankError, run_ranks
+from fsdp_course.simulate import MAX_WORLD_SIZE
+
+
+def leftovers() -> tuple[list[str], list[str]]:
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("fsdp-rank")]
+    dirs = [d for d in os.listdir(tempfile.gettempdir()) if d.startswith("fsdp_course_")]  # run_ranks' dirs
+    return threads, dirs
+
+
+def test_results_come_back_in_rank_order_with_distinct_groups() -> None:
+    def fn(ctx):
+        time.sleep(0.01 * (ctx.world_size - ctx.rank))  # finish in reverse order
+        return ctx.rank, ctx.world_size, ctx.group.rank(), ctx.group.size(), id(ctx.group)
+
+    results = run_ranks(fn, 4)
+    assert [r[:4] for r in results] == [(r, 4, r, 4) for r in range(4)]
+    assert len({r[4] for r in results}) == 4
+
+
+def test_prints_are_replayed_in_rank_order_with_rank_marks(capsys) -> None:
+    def fn(ctx):
+        time.sleep(0.02 * (3 - ctx.rank))
+        print(f"first line of {ctx.rank}")
+        print("second", end="")
+        print(" part")
+        import sys
+        print("to stderr", file=sys.stderr)
+
+    run_ranks(fn, 3)
+    out, err = capsys.readouterr()
+    expected = []
+    for r in range(3):
+        expected += [f"[rank {r}] first line of {r}", f"[rank {r}] second part"]
+    assert out.splitlines() == expected
+    assert err.splitlines() == [f"[rank {r}] to stderr" for r in range(3)]
+
+
+def test_output_of_a_failing_run_is_still_shown(capsys) -> None:
+    def fn(ctx):
+        print("before")
+        if ctx.rank == 1:
+            raise KeyError("lost")
+
+    with pytest.raises(RankError):
+        run_ranks(fn, 2)
+    assert capsys.readouterr().out.splitlines() == ["[rank 0] before", "[rank 1] before"]
+
+
+def test_other_threads_print_normally_while_ranks_run(capsys) -> None:
+    started = threading.Event()
+
+    def fn(ctx):
+        if ctx.rank == 0:
+            started.wait(5)
+
+    outsider = threading.Thread(target=lambda: (print("outsider"), started.set()))
+    runner = threading.Thread(target=run_ranks, args=(fn, 2))
+    runner.start()
+    time.sleep(0.2)
+    outsider.start()
+    outsider.join()
+    runner.join()
+    assert capsys.readouterr().out == "outsider\n"
+
+
+def test_a_failing_rank_is_named_with_type_message_and_traceback_and_releases_peers() -> None:
+    def fn(ctx):
+        if ctx.rank == 2:
+            raise ValueError("bad shard on purpose")
+        ctx.all_reduce(torch.ones(3))  # the others wait here for rank 2 ...
+
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(fn, 4, timeout=20)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert str(err) == "rank 2 failed with ValueError: bad shard on purpose"
+    assert list(err.failures) == [2] and isinstance(err.failures[2], ValueError)
+    assert "raise ValueError" in err.tracebacks[2]
+    assert any("traceback of rank 2" in note for note in err.__notes__)
+    assert err.released == [0, 1, 3]
+    assert elapsed < 5, f"peers were not released promptly ({elapsed:.1f} s)"  # ... not for 20 s
+
+
+def test_mismatched_collectives_are_reported_by_name() -> None:
+    def fn(ctx):
+        if ctx.rank == 1:
+            ctx.all_reduce(torch.ones(4, dtype=torch.float64))
+        else:
+            ctx.all_reduce(torch.ones(4))
+
+    with pytest.raises(RankError) as info:
+        run_ranks(fn, 3, timeout=20)
+    assert sorted(info.value.failures) == [0, 1, 2]
+    assert all(isinstance(e, CollectiveMismatch) for e in info.value.failures.values())
+    text = str(info.value)
+    assert "collective mismatch at call #1" in text
+    assert "rank 1: all_reduce #1 (shapes [(4,)], float64, op=sum)" in text
+    assert "rank 0: all_reduce #1 (shapes [(4,)], float32, op=sum)" in text
+
+
+def test_different_operations_are_a_mismatch() -> None:
+    def fn(ctx):
+        ctx.barrier()
+        if ctx.rank == 0:
+            ctx.all_gather(torch.ones(2))
+        else:
+            ctx.reduce_scatter(torch.ones(2))
+
+    with pytest.raises(RankError, match="mismatch at call #2"):
+        run_ranks(fn, 2, timeout=20)
+
+
+def test_a_collective_a_peer_never_joins_reports_every_rank_state() -> None:
+    def fn(ctx):
+        ctx.all_reduce(torch.ones(2))
+        if ctx.rank == 0:
+            ctx.all_gather(torch.ones(5))
+
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(fn, 3, timeout=20)
+    assert time.monotonic() - start < 5
+    err = info.value
+    assert list(err.failures) == [0] and isinstance(err.failures[0], CollectiveHang)
+    text = str(err)
+    assert "all_gather #2 can never complete: rank(s) 1, 2 ended without joining it" in text
+    assert "rank 0: waiting in all_gather #2 (shapes [(5,)], float32)" in text
+    assert "rank 1: finished after 1 collective(s)" in text
+
+
+def test_a_peer_stuck_computing_times_out_with_its_state() -> None:
+    def fn(ctx):
+        if ctx.rank == 1:
+            time.sleep(1.5)
+        ctx.all_reduce(torch.ones(2))
+
+    with pytest.raises(RankError) as info:
+        run_ranks(fn, 2, timeout=0.5)
+    text = str(info.value)
+    assert "timed out after 0.5 s in all_reduce #1: rank(s) 1 never joined it" in text
+    assert "rank 1: running, no collective yet" in text
+    assert "can never complete" in text  # rank 1 arrives late and is told rank 0 left
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(fn=42, world_size=2), TypeError, "fn must be a function"),
+    (dict(fn=print, world_size=0), ValueError, "between 1 and"),
+    (dict(fn=print, world_size=MAX_WORLD_SIZE + 1), ValueError, "between 1 and"),
+    (dict(fn=print, world_size=2.0), TypeError, "world_size must be an int"),
+    (dict(fn=print, world_size=2, timeout=0), ValueError, "positive"),
+    (dict(fn=print, world_size=2, timeout=-1.0), ValueError, "positive"),
+    (dict(fn=print, world_size=2, timeout="10"), TypeError, "number of seconds"),
+])
+def test_bad_arguments_are_clear_errors(kwargs, error, words) -> None:
+    fn = kwargs.pop("fn")
+    world_size = kwargs.pop("world_size")
+    with pytest.raises(error, match=words):
+        run_ranks(fn, world_size, **kwargs)
+
+
+def test_each_rank_has_its_own_seeded_generator() -> None:
+    def fn(ctx):
+        return torch.rand(3, generator=ctx.generator)
+
+    first, again = run_ranks(fn, 3, seed=7), run_ranks(fn, 3, seed=7)
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(first[0], first[1])
+    assert not torch.equal(first[0], run_ranks(fn, 3, seed=8)[0])
+
+
+def test_fifty_runs_with_failures_leave_nothing_behind(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # other test workers use /tmp too
+    before = leftovers()
+
+    def ok(ctx):
+        return ctx.all_reduce(torch.ones(2)).sum().item()
+
+    def fails(ctx):
+        if ctx.rank == 0:
+            raise RuntimeError("planted")
+        ctx.barrier()
+
+    def mismatch(ctx):
+        ctx.all_reduce(torch.ones(ctx.rank + 1))
+
+    for i in range(50):
+        fn = (ok, fails, mismatch)[i % 3]
+        if fn is ok:
+            assert run_ranks(fn, 1 + i % 4) == [2.0 * (1 + i % 4)] * (1 + i % 4)
+        else:
+            with pytest.raises(RankError):
+                run_ranks(fn, 2 + i % 3, timeout=10)
+    assert leftovers() == before == ([], [])
