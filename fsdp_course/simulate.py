@@ -128,7 +128,8 @@ def run_ranks(fn: Callable[[RankContext], Any], world_size: int, *, timeout: flo
             if group is not None:
                 group.shutdown()
     groups.clear()
-    gc.collect()
+    if failures:
+        gc.collect()  # exceptions and their frames hold stores and groups in cycles
     shutil.rmtree(workdir, ignore_errors=True)
     if failures or stuck:
         for r in stuck:

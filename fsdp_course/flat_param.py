@@ -1,0 +1,201 @@
+"""The flat parameter: many parameters laid end to end in one padded 1-D buffer, cut into equal shards.
+
+This is the Python version of the article's `shardParameters` / `flattenParams` / `unflattenParams`
+(its Java FSDP trainer), and of what the PyTorch FSDP paper (arXiv:2304.11277, section 3.2.1,
+"FlatParameter") calls a FlatParameter: the parameters of one FSDP unit are flattened and
+concatenated into one 1-D tensor, padded at the end so that it divides evenly by the world size,
+and rank r keeps the r-th equal chunk.  ZeRO (arXiv:1910.02054) partitions its fp32 state the same
+way; the DDP / ZeRO-1 / ZeRO-2 engines use this module too.
+
+Glossary (the words FSDP2 uses in torch/distributed/fsdp/_fully_shard/):
+  flat parameter    the 1-D buffer of all of a unit's parameters, padded   (padded_numel,)
+  shard             rank r's chunk of it                                   (padded_numel // N,)
+  unflattened views views of a gathered flat buffer with the original shapes
+
+Why pad: the article computes `shardSize = ceil(total / worldSize)` and lets the last rank keep a
+shorter slice, but its AllGather / ReduceScatter need equal chunks (Gloo does too), so any model
+whose size does not divide by the world size breaks.  Here the buffer is padded with zeros to
+`padded_numel = ceil(numel / N) * N`; the padding is never read by the model and its gradient is 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """Smallest multiple of `world_size` that is >= `numel` (the article forgot this step)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return -(-numel // world_size) * world_size
+
+
+def shard_range(padded: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[start, end) of `rank`'s shard in a flat buffer of `padded` elements (a multiple of world_size)."""
+    if padded % world_size:
+        raise ValueError(f"{padded} elements do not split into {world_size} equal shards: pad first")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, {world_size})")
+    size = padded // world_size
+    return rank * size, (rank + 1) * size
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """Where one original parameter lives inside the flat buffer."""
+
+    name: str  # e.g. "layers.0.linear.weight" (the first name, if the parameter is tied)
+    offset: int  # first element inside the flat buffer
+    numel: int
+    shape: torch.Size
+    aliases: tuple[str, ...] = ()  # other names of the same tensor (tied weights)
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The part of one parameter that falls inside one rank's shard."""
+
+    name: str
+    param_start: int  # first element, counted inside the flattened parameter
+    param_end: int
+    shard_offset: int  # where that piece starts inside the rank's shard
+
+
+@dataclass(frozen=True)
+class FlatParamLayout:
+    """Metadata of one flat parameter: enough to flatten, shard and unflatten it again."""
+
+    infos: tuple[ParamInfo, ...]
+    numel: int  # sum of the parameters' numel
+    padded_numel: int  # numel rounded up to a multiple of world_size
+    world_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def build(
+        cls, named_tensors: Sequence[tuple[str, torch.Tensor]], world_size: int
+    ) -> FlatParamLayout:
+        """Lay `named_tensors` end to end in the given order.
+
+        The same tensor object under several names (tied weights) is stored once, and its later
+        names become `aliases`.  All tensors must share one dtype: a flat buffer has one dtype.
+        """
+        check_same_dtype(named_tensors)
+        infos: list[ParamInfo] = []
+        first_index: dict[int, int] = {}  # id(tensor) -> index in infos
+        offset = 0
+        for name, t in named_tensors:
+            if id(t) in first_index:  # tied: one copy, one gradient
+                i = first_index[id(t)]
+                info = infos[i]
+                infos[i] = ParamInfo(info.name, info.offset, info.numel, info.shape,
+                                     info.aliases + (name,))
+                continue
+            first_index[id(t)] = len(infos)
+            infos.append(ParamInfo(name, offset, t.numel(), t.shape))
+            offset += t.numel()
+        dtype = named_tensors[0][1].dtype if named_tensors else torch.float32
+        return cls(tuple(infos), offset, padded_numel(offset, world_size), world_size, dtype)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    @property
+    def names(self) -> list[str]:
+        return [info.name for info in self.infos]
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        return shard_range(self.padded_numel, self.world_size, rank)
+
+    def flatten(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+        """Concatenate one tensor per `infos` entry (same order) and pad with zeros."""
+        flat = torch.zeros(self.padded_numel, dtype=self.dtype)  # (padded_numel,)
+        tensors = list(tensors)
+        if len(tensors) != len(self.infos):
+            raise ValueError(f"expected {len(self.infos)} tensors, got {len(tensors)}")
+        for info, t in zip(self.infos, tensors, strict=True):
+            if t.shape != info.shape:
+                raise ValueError(f"{info.name}: shape {tuple(t.shape)} != {tuple(info.shape)}")
+            flat[info.offset : info.offset + info.numel].copy_(t.reshape(-1))
+        return flat
+
+    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a full (gathered) flat buffer with the original shapes; no copy."""
+        if flat.shape != (self.padded_numel,):
+            raise ValueError(f"flat buffer has shape {tuple(flat.shape)}, "
+                             f"expected ({self.padded_numel},)")
+        # one split (not one slice per parameter): in backward, autograd then builds a single
+        # (padded_numel,) gradient for the whole flat buffer instead of one per parameter
+        sizes = [i.numel for i in self.infos] + [self.padded_numel - self.numel]
+        pieces = flat.split(sizes)  # the last piece is the padding
+        return [piece.view(i.shape) for piece, i in zip(pieces, self.infos, strict=False)]
+
+    def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s chunk of a full flat buffer, as a view."""
+        start, end = self.shard_range(rank)
+        return flat[start:end]  # (padded_numel // world_size,) local shard
+
+    def pieces(self, rank: int) -> list[ShardPiece]:
+        """Which parts of which parameters `rank` owns (a parameter may straddle two shards)."""
+        start, end = self.shard_range(rank)
+        out = []
+        for info in self.infos:
+            lo, hi = max(start, info.offset), min(end, info.offset + info.numel)
+            if lo < hi:
+                out.append(ShardPiece(info.name, lo - info.offset, hi - info.offset, lo - start))
+        return out
+
+    def to_json(self) -> dict:
+        """Plain-data description (for checkpoint metadata)."""
+        return {
+            "numel": self.numel,
+            "padded_numel": self.padded_numel,
+            "world_size": self.world_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "params": [
+                {"name": i.name, "offset": i.offset, "numel": i.numel,
+                 "shape": list(i.shape), "aliases": list(i.aliases)}
+                for i in self.infos
+            ],
+        }
+
+
+def check_same_dtype(named_tensors: Sequence[tuple[str, torch.Tensor]], where: str = "") -> None:
+    """Raise a TypeError naming the parameters of each dtype when they are mixed."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, t in named_tensors:
+        by_dtype.setdefault(t.dtype, []).append(name)
+    if len(by_dtype) > 1:
+        listing = "; ".join(
+            f"{dtype}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+            for dtype, names in by_dtype.items()
+        )
+        raise TypeError(
+            f"one flat parameter holds one dtype, but {where or 'these parameters'} mix "
+            f"{len(by_dtype)} dtypes ({listing}). Cast the model to one dtype (e.g. model.float()) "
+            "or put the differing modules in their own FSDP unit (wrap=...)."
+        )
+
+
+def flatten_params(
+    named_params: Sequence[tuple[str, torch.Tensor]], world_size: int
+) -> tuple[FlatParamLayout, torch.Tensor]:
+    """The article's `flattenParams` plus padding: (layout, flat buffer of shape (padded_numel,))."""
+    layout = FlatParamLayout.build(named_params, world_size)
+    unique = {id(t): t for _, t in named_params}.values()  # tied tensors once, in first-seen order
+    with torch.no_grad():
+        flat = layout.flatten(t.detach() for t in unique)  # (padded_numel,)
+    return layout, flat
+
+
+def shard_parameters(
+    named_params: Sequence[tuple[str, torch.Tensor]], world_size: int, rank: int
+) -> tuple[FlatParamLayout, torch.Tensor]:
+    """The article's `shardParameters`, fixed: flatten, pad, keep this rank's equal chunk (a copy)."""
+    layout, flat = flatten_params(named_params, world_size)
+    local = layout.shard(flat, rank).clone()  # (padded_numel // world_size,) local shard
+    return layout, local

@@ -1,0 +1,242 @@
+"""FSDP from scratch: ZeRO-3 (arXiv:1910.02054) the way PyTorch FSDP (arXiv:2304.11277) builds it.
+
+`FSDP(module, ctx, wrap={nn.TransformerEncoderLayer})` turns every instance of a `wrap` class into
+its own unit and everything else into the root unit (`wrap=None`: the whole model is one unit, the
+article's pitfall 5.3 "nothing is really sharded": the whole model is gathered at once).  Per unit
+one flat parameter, padded to a multiple of the world size, of which each rank keeps one shard
+(flat_param.py); the unit's life cycle is in fsdp_unit.py, the checkpoints in fsdp_state_dict.py.
+
+What the article's Java trainer does, and what changes here:
+  - it broadcasts rank 0's parameters, then slices the flat buffer without padding: kept (the
+    broadcast), fixed (the padding);
+  - it gathers the whole model once before forward and keeps it: here each unit is gathered just
+    before it runs and freed right after, in forward and again in backward;
+  - it clips each shard by its own norm (`shardedGrad.norm()`): wrong, the norm must be global;
+    `clip_grad_norm_` all-reduces the squared norms first, as torch.nn.utils.clip_grad_norm_ would
+    on one process;
+  - pitfall 5.4 (optimizer built before wrapping): here such an optimizer fails loudly at step().
+
+Rules it needs: the same control flow on every rank (same units used in the same order), and
+`loss.backward()` (not torch.autograd.grad), since gradients are collected from `.grad`.
+A parameter unused in a step inside a unit that was used gets a zero gradient, not None (its
+slice of the flat gradient is zero, as in PyTorch FSDP's flat parameters), so weight decay still
+moves it; a whole unit unused on every rank keeps `.grad` None, as on one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_course import fsdp_state_dict
+from fsdp_course.flat_param import FlatParamLayout, check_same_dtype
+from fsdp_course.fsdp_unit import (
+    FlatParamHandle,
+    FSDPUnit,
+    ShardedState,
+    TrainingState,
+    register_grad_hooks,
+    sharded_away,
+)
+from fsdp_course.memory import record_event
+
+__all__ = ["FSDP", "ShardedState", "TrainingState"]
+
+STALE_OPTIMIZER = (
+    "this optimizer was built before FSDP wrapped the model: its parameters are the original "
+    "tensors, now emptied (their values moved into FSDP's flat shards), so step() would train "
+    "nothing. Build the optimizer after wrapping: torch.optim.AdamW(fsdp.parameters(), ...) "
+    "(the article's pitfall 5.4)."
+)
+
+
+class FSDP(nn.Module):
+    """Fully sharded data parallel over the rank context `ctx`; `parameters()` are the local shards."""
+
+    def __init__(self, module: nn.Module, ctx: Any, *, wrap: set[type[nn.Module]] | None = None) -> None:
+        super().__init__()
+        self.module = module
+        self.ctx = ctx
+        self.sync_grads = True
+        self.timeline: list[tuple[str, dict[str, int]]] = []
+        self.memory_recorder = None
+        self._callback_queued = False
+        self.state_dict_keys = list(module.state_dict().keys())  # what full_state_dict() returns
+        wrap_types = (wrap,) if isinstance(wrap, type) else tuple(wrap or ())
+        if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in wrap_types):
+            raise TypeError(f"wrap must be a set of nn.Module classes (e.g. {{nn.Linear}}), got {wrap!r}")
+        occurrences = _find_parameters(module, wrap_types)  # (unit module, unit name, name, mod, attr, p)
+        self.units: list[FSDPUnit] = []
+        self._originals: list[nn.Parameter] = []
+        with torch.no_grad():
+            for unit_module, unit_name, occ in _group_by_unit(occurrences, module):
+                handles = self._build_handles(unit_name, occ)
+                self.units.append(FSDPUnit(unit_name, unit_module, handles, self))
+            for _, buf in module.named_buffers():  # buffers: replicated, rank 0's values
+                ctx.broadcast(buf.data)
+        self.flat_params = nn.ParameterList([h.shard for u in self.units for h in u.handles])
+        self.root_unit = next((u for u in self.units if u.module is module), None)
+        self._trip_stale_optimizers()
+        for unit in self.units:
+            if unit is not self.root_unit:
+                unit.module.register_forward_pre_hook(lambda m, args, u=unit: u.pre_forward())
+                unit.module.register_forward_hook(lambda m, args, out, u=unit: u.post_forward(out))
+
+    def _build_handles(self, unit_name: str, occ: list[tuple[str, nn.Module, str, nn.Parameter]]
+                       ) -> list[FlatParamHandle]:
+        check_same_dtype([(name, p) for name, _, _, p in occ], f"FSDP unit '{unit_name or 'root'}'")
+        handles = []
+        for requires_grad in (True, False):  # frozen parameters get their own flat parameter
+            group = [o for o in occ if o[3].requires_grad == requires_grad]
+            if not group:
+                continue
+            layout = FlatParamLayout.build([(name, p) for name, _, _, p in group], self.ctx.world_size)
+            unique = list({id(p): p for _, _, _, p in group}.values())
+            flat = layout.flatten(p.detach() for p in unique).to(unique[0].device)  # (padded_numel,)
+            self.ctx.broadcast(flat, src=0)  # initial values come from rank 0, as in the article
+            shard = nn.Parameter(layout.shard(flat, self.ctx.rank).clone(), requires_grad=requires_grad)
+            index = {id(p): i for i, p in enumerate(unique)}
+            locations: list[list[tuple[nn.Module, str]]] = [[] for _ in unique]
+            for _, mod, attr, p in group:
+                locations[index[id(p)]].append((mod, attr))
+                mod._parameters.pop(attr, None)  # the module no longer owns it
+            for p in unique:  # free the originals; a stale optimizer trips over them
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                self._originals.append(p)
+            handles.append(FlatParamHandle(layout, shard, locations))
+        return handles
+
+    # -- forward / backward ------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.root_unit is not None:
+            self.root_unit.pre_forward()
+        out = self.module(*args, **kwargs)
+        if self.root_unit is not None:
+            self.root_unit.post_forward(out)
+        register_grad_hooks(out, self._on_backward_start)
+        return out
+
+    def _on_backward_start(self) -> None:
+        if not self._callback_queued:  # runs once, after the whole backward pass
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        for unit in self.units:
+            unit.finish_backward()
+        self._callback_queued = False
+        self._trip_stale_optimizers()  # again: the stale optimizer's zero_grad() may have cleared them
+        record_event(self, "backward done")
+
+    def _trip_stale_optimizers(self) -> None:
+        """Give the emptied original parameters a gradient that raises STALE_OPTIMIZER when used."""
+        with torch._C.DisableTorchFunctionSubclass():
+            for p in self._originals:
+                p.grad = sharded_away((0,), p.dtype, STALE_OPTIMIZER)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate unsharded gradients locally (no reduce-scatter) until the first backward after."""
+        previous, self.sync_grads = self.sync_grads, False
+        try:
+            yield
+        finally:
+            self.sync_grads = previous
+
+    # -- gradients ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm over all shards of all ranks (what one process would compute)."""
+        grads = [h.shard.grad for u in self.units for h in u.handles if h.shard.grad is not None]
+        dtype = grads[0].dtype if grads else torch.float32
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
+            total = self.ctx.all_reduce(local.to(dtype).reshape(1), op="max")[0]
+        else:
+            local = sum((g.norm(norm_type) ** norm_type for g in grads), torch.zeros((), dtype=dtype))
+            total = self.ctx.all_reduce(local.reshape(1), op="sum")[0] ** (1.0 / norm_type)
+        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(clip_coef)
+        return total
+
+    @torch.no_grad()
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Gather the averaged gradients, keyed as module.named_parameters() (a collective)."""
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            for h in unit.handles:
+                if not h.requires_grad:
+                    continue
+                g = h.shard.grad if h.shard.grad is not None else torch.zeros_like(h.shard)
+                full = self.ctx.all_gather(g.contiguous())  # (padded_numel,)
+                for info, view in zip(h.layout.infos, h.layout.unflatten(full), strict=True):
+                    out[info.name] = view.clone()
+        return out
+
+    # -- memory (engine protocol of memory.py) -----------------------------------------------------
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        handles = [h for u in self.units for h in u.handles]
+        return {
+            "sharded_params": [h.shard for h in handles],
+            "gathered_params": [h.full for h in handles],
+            "grads": [h.full.grad for h in handles if h.full.grad is not None],
+            "sharded_grads": [h.shard.grad for h in handles if h.shard.grad is not None],
+            "buffers": list(self.module.buffers()),
+        }
+
+    def unit_numels(self) -> dict[str, int]:
+        """Padded numel of every unit's flat parameter(s), by unit name ("root" for the root)."""
+        return {u.label: sum(h.layout.padded_numel for h in u.handles) for u in self.units}
+
+    # -- checkpoints (fsdp_state_dict.py) ----------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return fsdp_state_dict.full_state_dict(self)
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        fsdp_state_dict.load_full_state_dict(self, state_dict)
+
+    def save_sharded(self, directory: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        fsdp_state_dict.save_sharded(self, directory, optimizer)
+
+    def load_sharded(self, directory: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        fsdp_state_dict.load_sharded(self, directory, optimizer)
+
+
+def _find_parameters(root: nn.Module, wrap: tuple[type, ...]) -> list[tuple]:
+    """Every (unit module, unit name, parameter name, owning module, attribute, parameter), in
+    named_parameters() order but keeping repeats (tied weights). The unit is the nearest wrapped
+    ancestor, else the root."""
+    found: list[tuple] = []
+
+    def walk(mod: nn.Module, prefix: str, unit: nn.Module, unit_name: str) -> None:
+        if mod is not root and wrap and isinstance(mod, wrap):
+            unit, unit_name = mod, prefix.rstrip(".")
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                found.append((unit, unit_name, prefix + attr, mod, attr, p))
+        for child_name, child in mod._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{child_name}.", unit, unit_name)
+
+    walk(root, "", root, "")
+    return found
+
+
+def _group_by_unit(found: list[tuple], root: nn.Module) -> list[tuple[nn.Module, str, list[tuple]]]:
+    """Group the occurrences by unit; a parameter used by several units (tied across units) goes to
+    the root unit, which stays gathered around all of them (FSDP's lowest common ancestor rule)."""
+    units_of: dict[int, set[int]] = {}
+    for unit, _, _, _, _, p in found:
+        units_of.setdefault(id(p), set()).add(id(unit))
+    groups: dict[int, tuple[nn.Module, str, list[tuple]]] = {id(root): (root, "", [])}
+    for unit, unit_name, name, mod, attr, p in found:
+        if len(units_of[id(p)]) > 1:
+            unit, unit_name = root, ""
+        groups.setdefault(id(unit), (unit, unit_name, []))[2].append((name, mod, attr, p))
+    return [g for g in groups.values() if g[2]]
