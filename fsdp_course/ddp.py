@@ -1,0 +1,164 @@
+"""Distributed Data Parallel from scratch: every rank holds the whole model, gradients are averaged.
+
+The first step of the course's ladder DDP -> ZeRO-1 -> ZeRO-2 -> FSDP (ZeRO, arXiv:1910.02054,
+section 2 and figure 1: "data parallelism" replicates all model states on every rank). Usage:
+
+    model = copy.deepcopy(base)                    # every rank builds the same architecture
+    ddp = DDP(model, ctx)                          # rank 0's initial parameters and buffers win
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    loss_fn(ddp(x_local), y_local).backward()      # gradients are averaged over the ranks here
+    opt.step(); opt.zero_grad()
+
+What `DDP` does, and where:
+  - construction: broadcast every parameter and buffer from rank 0 (`broadcast_module`), so the
+    replicas start equal even when the ranks were seeded differently;
+  - during backward: a post-accumulate-grad hook on each trainable parameter; the first one to fire
+    queues a callback with autograd's engine, which runs once when the whole backward is done;
+  - end of backward (`_finish_backward`): the gradients live in one flat buffer per dtype (each
+    `p.grad` is a view of it, like PyTorch's `gradient_as_bucket_view=True`); one all-reduce with
+    op="mean" averages it. Per step that is one all-reduce of Psi elements: 2 Psi (N-1)/N per rank
+    under the ring model, ZeRO's baseline (section 7);
+  - `no_sync()`: backward passes inside it only accumulate locally; the first backward after it
+    averages everything accumulated (gradient accumulation without extra traffic).
+
+PyTorch's DDP overlaps communication with backward by reducing ~25 MB buckets as they fill; one
+bucket at the end is simpler to read and moves exactly the same bytes.
+A parameter that got no gradient on this rank contributes zeros (other ranks may have used it).
+Memory per rank with fp32 AdamW: parameters 4 Psi + gradients 4 Psi + Adam's two moments 8 Psi
+= 16 Psi (`memory.zero_formula(psi, n, "ddp")`); see `memory_tensors()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+
+from fsdp_course.context import RankContext
+from fsdp_course.memory import record_event
+
+__all__ = ["DDP", "broadcast_module", "point_grads_at", "queue_after_backward"]
+
+
+def broadcast_module(module: nn.Module, ctx: RankContext, src: int = 0) -> None:
+    """Overwrite every parameter and buffer of `module` with rank `src`'s values (in place).
+
+    One broadcast per dtype: the tensors are packed into one flat buffer and unpacked again
+    (a collective has a fixed cost, so one large call beats many small ones).
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in [*module.parameters(), *module.buffers()]:  # tied parameters come once
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for tensors in by_dtype.values():
+            flat = ctx.broadcast(torch.cat([t.reshape(-1) for t in tensors]), src)  # (numel,)
+            for t, values in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+                t.copy_(values.view_as(t))
+
+
+def queue_after_backward(callback: Callable[[], None]) -> None:
+    """Run `callback` once the backward pass that is running now has finished (call it from a hook).
+
+    This is how PyTorch's own DDP and FSDP know that "backward is done": autograd's engine keeps a
+    list of callbacks per backward call and runs them after the last gradient has been computed.
+    """
+    Variable._execution_engine.queue_callback(callback)
+
+
+def point_grads_at(params: list[nn.Parameter], views: list[torch.Tensor]) -> None:
+    """Make every `p.grad` its view of a flat buffer again, keeping what autograd accumulated.
+
+    An optimizer's `zero_grad()` sets `p.grad = None` by default; the next backward then allocates a
+    fresh tensor, which is copied into the view here. A parameter with no gradient gets zeros.
+    """
+    for p, view in zip(params, views, strict=True):
+        if p.grad is None:  # unused since it was last reset: its gradient is zero
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():  # autograd allocated a fresh tensor
+            view.copy_(p.grad)
+        p.grad = view
+
+
+class _FlatGrads:
+    """One flat buffer holding the gradients of parameters of one dtype; `p.grad` are views of it."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)  # (numel,)
+        self.views = []
+        offset = 0
+        for p in params:
+            self.views.append(self.flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        point_grads_at(params, self.views)
+
+    def collect(self) -> None:
+        point_grads_at(self.params, self.views)
+
+
+class DDP(nn.Module):
+    """Data parallel wrapper: same model on every rank, gradients averaged by one all-reduce per step.
+
+    `parameters()` / `named_parameters()` are the wrapped module's own (same names), so an optimizer
+    built on them works; `ddp(x)` runs the module's forward.
+    """
+
+    def __init__(self, module: nn.Module, ctx: RankContext) -> None:
+        super().__init__()
+        self.module = module
+        self.ctx = ctx
+        self.timeline: list[tuple[str, dict[str, int]]] = []  # filled when a memory recorder is attached
+        self.memory_recorder = None
+        self.require_gradient_sync = True
+        self._callback_queued = False
+        broadcast_module(module, ctx)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in trainable:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        self.grad_buffers = [_FlatGrads(params) for params in by_dtype.values()]
+        for p in trainable:
+            p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._callback_queued = False  # a backward that raised never ran its callback: start afresh
+        return self.module(*args, **kwargs)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The wrapped module's parameters under their own names (no "module." prefix)."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate local gradients; the next one outside averages them."""
+        previous, self.require_gradient_sync = self.require_gradient_sync, False
+        try:
+            yield
+        finally:
+            self.require_gradient_sync = previous
+
+    def _on_gradient_ready(self, param: nn.Parameter) -> None:
+        if self.require_gradient_sync and not self._callback_queued:
+            self._callback_queued = True
+            queue_after_backward(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        for buffer in self.grad_buffers:
+            buffer.collect()
+            self.ctx.all_reduce(buffer.flat, op="mean")  # (numel,) every gradient, averaged in place
+        record_event(self, "all_reduce gradients")
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank holds, by category (see fsdp_course.memory): everything, in full."""
+        return {
+            "params": list(self.module.parameters()),
+            "grads": [b.flat for b in self.grad_buffers]
+                     + [p.grad for p in self.module.parameters() if p.grad is not None],
+            "buffers": list(self.module.buffers()),
+        }
