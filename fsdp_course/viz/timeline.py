@@ -1,0 +1,159 @@
+"""Measured memory per rank over one training step, by category, with the engine's events marked.
+
+The data is what `memory.MemoryRecorder` appends to `engine.timeline`: one `(event_label,
+{category: bytes})` per event, measured from the storages alive (not computed). The events whose label
+names unshard / reshard / reduce_scatter / all_reduce / all_gather are marked: the moments where FSDP
+(arXiv:2304.11277, section 3) gathers a unit, frees it, and shards its gradient, and where DDP / ZeRO
+(arXiv:1910.02054) all-reduce or gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from fsdp_course.viz.style import CATEGORY_COLORS, EVENT_STYLES, byte_axis, format_bytes, new_figure, rank_color
+
+Timeline = Sequence[tuple[str, Mapping[str, int]]]
+
+
+def _is_timeline(x: Any) -> bool:
+    return isinstance(x, Sequence) and not isinstance(x, str) and (
+        len(x) == 0 or (isinstance(x[0], (tuple, list)) and len(x[0]) == 2 and isinstance(x[0][0], str)))
+
+
+def _rank_timelines(timelines: Any) -> list[tuple[int, Timeline]]:
+    """[(rank, timeline)] from one timeline, a list per rank, a {rank: timeline} dict, or engines."""
+    if hasattr(timelines, "timeline"):
+        timelines = [timelines.timeline]
+    elif _is_timeline(timelines):
+        timelines = [timelines]
+    pairs = sorted(timelines.items()) if isinstance(timelines, Mapping) else list(enumerate(timelines))
+    if not pairs:
+        raise ValueError("no timelines given: pass engine.timeline of each rank")
+    out = []
+    for rank, t in pairs:
+        t = getattr(t, "timeline", t)
+        if not _is_timeline(t) or len(t) == 0:
+            raise ValueError(f"rank {rank}'s timeline is empty or not a list of (label, {{category: bytes}}): "
+                             "attach a recorder (memory.attach(engine)) before the step")
+        out.append((int(rank), t))
+    return out
+
+
+def _categories(timelines: list[tuple[int, Timeline]], categories: Sequence[str] | None) -> list[str]:
+    if categories is not None:
+        return list(categories)
+    present = {c for _, t in timelines for _, snap in t for c, b in snap.items() if b}
+    known = [c for c in CATEGORY_COLORS if c in present]
+    return known + sorted(present - set(known))
+
+
+def _event_kind(label: str) -> str | None:
+    low = label.lower().replace("-", "_").replace(" ", "_")
+    return next((k for k in EVENT_STYLES if k in low), None)
+
+
+def _mark_events(ax: Any, labels: Sequence[str], legend: dict[str, Any]) -> None:
+    for x, label in enumerate(labels):
+        kind = _event_kind(label)
+        if kind is not None:
+            color, style = EVENT_STYLES[kind]
+            legend[kind] = ax.axvline(x, color=color, linestyle=style, linewidth=1, alpha=0.7, label=kind)
+
+
+def _event_ticks(ax: Any, labels: Sequence[str]) -> None:
+    step = max(1, len(labels) // 40)
+    ax.set_xticks(range(0, len(labels), step), [labels[i] for i in range(0, len(labels), step)],
+                  rotation=70, ha="right", fontsize=7, rotation_mode="anchor")
+
+
+def _draw_stack(ax: Any, timeline: Timeline, categories: list[str], legend: dict[str, Any]) -> float:
+    labels = [label for label, _ in timeline]
+    bottom = [0.0] * len(timeline)
+    for c in categories:
+        values = [float(snap.get(c, 0)) for _, snap in timeline]
+        legend[c] = ax.bar(range(len(timeline)), values, bottom=bottom, width=0.85,
+                           color=CATEGORY_COLORS.get(c, "#b0b0b0"), label=c, gid=f"cat:{c}")
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    _mark_events(ax, labels, legend)
+    peak = max(bottom)
+    at = bottom.index(peak)
+    ax.annotate(f"peak {format_bytes(peak)}", (at, peak), xytext=(0, 3), textcoords="offset points",
+                ha="center", fontsize=7)
+    return peak
+
+
+def _draw_lines(ax: Any, timelines: list[tuple[int, Timeline]], categories: list[str],
+                legend: dict[str, Any]) -> float:
+    top = 0.0
+    for i, (rank, t) in enumerate(timelines):  # rank 0 drawn widest, so equal lines stay visible
+        totals = [float(sum(snap.get(c, 0) for c in categories)) for _, snap in t]
+        width = 1.2 + 2.4 * (len(timelines) - 1 - i) / max(1, len(timelines) - 1)
+        legend[f"rank {rank}"], = ax.plot(range(len(t)), totals, marker="o", markersize=2 + width,
+                                         drawstyle="steps-mid", linewidth=width, color=rank_color(rank),
+                                         label=f"rank {rank}", gid=f"rank{rank}")
+        top = max(top, *totals)
+    _mark_events(ax, [label for label, _ in timelines[0][1]], legend)
+    return top
+
+
+def plot_memory_timeline(timelines: Any, *, kind: str = "stack", categories: Sequence[str] | None = None,
+                         title: str | None = None) -> Figure:
+    """Measured bytes per rank at each event of a step: `kind="stack"` (one panel per rank, bars stacked
+    by category) or `kind="lines"` (one line per rank, the sum of `categories`, default all present).
+
+    `timelines`: `engine.timeline` of every rank as a list (index = rank) or {rank: timeline}, engines
+    themselves, or one timeline. Events whose label says unshard / reshard / reduce_scatter /
+    all_reduce / all_gather are marked with vertical lines."""
+    pairs = _rank_timelines(timelines)
+    cats = _categories(pairs, categories)
+    legend: dict[str, Any] = {}
+    if kind == "stack":
+        fig, axes = new_figure(len(pairs), 1, (10, 1.6 + 1.9 * len(pairs)), sharex=True, sharey=True)
+        top = max(_draw_stack(axes[i, 0], t, cats, legend) for i, (_, t) in enumerate(pairs))
+        for i, (rank, _) in enumerate(pairs):
+            axes[i, 0].set_title(f"rank {rank}", fontsize=9, loc="left", color=rank_color(rank))
+            byte_axis(axes[i, 0], top)
+    elif kind == "lines":
+        fig, axes = new_figure(size=(10, 4))
+        top = _draw_lines(axes[0, 0], pairs, cats, legend)
+        byte_axis(axes[0, 0], top)
+    else:
+        raise ValueError(f"kind must be 'stack' or 'lines', got {kind!r}")
+    _event_ticks(axes[-1, 0], [label for label, _ in pairs[0][1]])
+    fig.legend(legend.values(), legend.keys(), loc="outside right upper", fontsize=8)
+    fig.suptitle(title or "Memory per rank over one step, measured at each event", fontsize=10)
+    return fig
+
+
+def plot_memory_compare(runs: Mapping[str, Any], *, kind: str = "lines", rank: int = 0,
+                        categories: Sequence[str] | None = None, title: str | None = None) -> Figure:
+    """Side by side, one panel per engine ({"DDP": timelines, "FSDP": timelines}), on one byte scale:
+    `kind="lines"` draws every rank's total, `kind="stack"` rank `rank`'s categories."""
+    if not runs:
+        raise ValueError('nothing to compare: pass {"DDP": timelines, "FSDP": timelines}')
+    if kind not in ("lines", "stack"):
+        raise ValueError(f"kind must be 'stack' or 'lines', got {kind!r}")
+    parsed = {name: _rank_timelines(t) for name, t in runs.items()}
+    cats = _categories([p for pairs in parsed.values() for p in pairs], categories)
+    fig, axes = new_figure(1, len(parsed), (5 * len(parsed) + 1.5, 4), sharey=True)
+    legend: dict[str, Any] = {}
+    top = 0.0
+    for ax, (name, pairs) in zip(axes[0], parsed.items(), strict=True):
+        if kind == "lines":
+            top = max(top, _draw_lines(ax, pairs, cats, legend))
+        else:
+            chosen = dict(pairs)
+            if rank not in chosen:
+                raise ValueError(f"{name}: no timeline for rank {rank} (ranks {sorted(chosen)})")
+            top = max(top, _draw_stack(ax, chosen[rank], cats, legend))
+        ax.set_title(name)
+        _event_ticks(ax, [label for label, _ in pairs[0][1]])
+    byte_axis(axes[0, 0], top)
+    fig.legend(legend.values(), legend.keys(), loc="outside right upper", fontsize=8)
+    fig.suptitle(title or "Memory per rank over one step" + (f" (rank {rank})" if kind == "stack" else ""),
+                 fontsize=10)
+    return fig

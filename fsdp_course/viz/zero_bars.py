@@ -1,0 +1,137 @@
+"""The ZeRO stages side by side: model-state bytes per rank from the formulas, measured bars beside them.
+
+ZeRO (arXiv:1910.02054, section 5.1 and figure 1) with fp32 values and Adam (K = 8 bytes of optimizer
+state per parameter), Psi parameters, N ranks:
+  DDP 16 Psi,  ZeRO-1 (P_os) 8 Psi + 8 Psi/N,  ZeRO-2 (P_os+g) 4 Psi + 12 Psi/N,  ZeRO-3 (P_os+g+p) 16 Psi/N;
+ZeRO-3 is what PyTorch FSDP implements (arXiv:2304.11277). The numbers come from
+`memory.zero_formula`; `_zero_formula_local` is a copy used only if that module cannot be imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from fsdp_course.viz.style import CATEGORY_COLORS, STAGES, byte_axis, format_bytes, new_figure
+
+_STAGE_ALIASES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
+_FORMULA_PARTS = ("params", "grads", "optimizer", "gathered")
+_STATE_TENSORS = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}  # optimizer state tensors per parameter
+
+
+def stage_index(stage: int | str) -> int:
+    """0..3 from 0..3, "DDP", "ZeRO-1", "zero2", "ZeRO-3" or "FSDP"."""
+    s = _STAGE_ALIASES.get(stage.lower().replace("-", "").replace("_", ""), -1) if isinstance(stage, str) else stage
+    if s not in (0, 1, 2, 3):
+        raise ValueError(f"unknown ZeRO stage {stage!r}: use 0-3 or one of {', '.join(STAGES)}, FSDP")
+    return int(s)
+
+
+def _zero_formula_local(numel: int, world_size: int, stage: int, bytes_per_param: int = 4,
+                        optimizer: str = "adam", gathered_numel: int = 0) -> dict[str, float]:
+    """Fallback copy of memory.zero_formula (ZeRO section 5.1), used only if that module is missing."""
+    n, psi, b, k = world_size, numel, bytes_per_param, _STATE_TENSORS[optimizer] * bytes_per_param
+    out = {"params": psi * b / n if stage >= 3 else psi * b, "grads": psi * b / n if stage >= 2 else psi * b,
+           "optimizer": psi * k / n if stage >= 1 else psi * k,
+           "gathered": 2 * gathered_numel * b if stage >= 3 else 0}
+    out["total"] = sum(out.values())
+    return out
+
+
+try:
+    from fsdp_course.memory import zero_formula as _zero_formula
+except ImportError:  # memory.py is optional for drawing
+    _zero_formula = _zero_formula_local
+
+
+def zero_bytes(numel: int, world_size: int, stage: int | str, *, optimizer: str = "adam",
+               bytes_per_param: int = 4, gathered_numel: int = 0) -> dict[str, float]:
+    """Model-state bytes per rank by category ("params", "grads", "optimizer", "gathered", "total")."""
+    if numel < 0 or world_size < 1:
+        raise ValueError(f"need numel >= 0 and world_size >= 1, got {numel}, {world_size}")
+    if optimizer.lower() not in _STATE_TENSORS:
+        raise ValueError(f"optimizer must be one of {sorted(_STATE_TENSORS)}, got {optimizer!r}")
+    out = dict(_zero_formula(int(numel), int(world_size), stage_index(stage), bytes_per_param=bytes_per_param,
+                             optimizer=optimizer.lower(), gathered_numel=gathered_numel))
+    for c in _FORMULA_PARTS:
+        out.setdefault(c, 0.0)
+    out.setdefault("total", out["params"] + out["grads"] + out["optimizer"] + out["gathered"])
+    return out
+
+
+def zero_formula_text(stage: int | str, optimizer: str = "adam", bytes_per_param: int = 4) -> str:
+    """The formula as text: stage 1, Adam, fp32 -> '8Ψ + 8Ψ/N'."""
+    f = zero_bytes(1, 1, stage, optimizer=optimizer, bytes_per_param=bytes_per_param)  # per Psi, N = 1
+    s = stage_index(stage)
+    sharded = [("params", 3), ("grads", 2), ("optimizer", 1)]
+    full = sum(f[c] for c, at in sharded if s < at)
+    part = sum(f[c] for c, at in sharded if s >= at)
+    terms = ([f"{full:g}Ψ"] if full else []) + ([f"{part:g}Ψ/N"] if part else [])
+    return " + ".join(terms) or "0"
+
+
+def _measured_groups(value: int | float | Mapping[str, int]) -> dict[str, float]:
+    if not isinstance(value, Mapping):
+        return {"total": float(value)}
+    groups = {"params": ("params", "sharded_params"), "gathered": ("gathered_params",),
+              "grads": ("grads", "sharded_grads"), "optimizer": ("optimizer",)}
+    out = {g: float(sum(value.get(c, 0) for c in cs)) for g, cs in groups.items()}
+    known = {c for cs in groups.values() for c in cs}
+    out["other"] = float(sum(b for c, b in value.items() if c not in known))
+    return out
+
+
+def plot_zero_bars(numel: int, world_size: int, measured: Mapping[Any, Any] | None = None, *,
+                   optimizer: str = "adam", bytes_per_param: int = 4, gathered_numel: int = 0,
+                   highlight: int | str | None = None, title: str | None = None) -> Figure:
+    """Bytes per rank for DDP and ZeRO-1/2/3 from the formulas, stacked by category; `measured`
+    ({"DDP": bytes or a memory.measure() snapshot, "FSDP": ...}) drawn hatched beside them."""
+    formulas = [zero_bytes(numel, world_size, s, optimizer=optimizer, bytes_per_param=bytes_per_param,
+                           gathered_numel=gathered_numel) for s in range(4)]
+    meas: dict[int, dict[str, float]] = {}
+    for key, value in (measured or {}).items():
+        if stage_index(key) in meas:
+            raise ValueError(f"measured has two entries for {STAGES[stage_index(key)]} (FSDP is ZeRO-3): keep one")
+        meas[stage_index(key)] = _measured_groups(value)
+    hi = None if highlight is None else stage_index(highlight)
+    fig, axes = new_figure(size=(8, 4))
+    ax = axes[0, 0]
+    width = 0.38 if meas else 0.6
+    shift = width / 2 if meas else 0.0
+    top = 0.0
+    for s, f in enumerate(formulas):
+        bottom, alpha = 0.0, 1.0 if hi in (None, s) else 0.35
+        for c in _FORMULA_PARTS:
+            if f[c]:
+                ax.bar(s - shift, f[c], bottom=bottom, width=width, color=CATEGORY_COLORS[c], alpha=alpha,
+                       edgecolor="black" if hi == s else "none", gid=f"formula:{STAGES[s]}:{c}")
+                bottom += f[c]
+        ax.annotate(format_bytes(f["total"]), (s - shift, f["total"]), xytext=(0, 3), textcoords="offset points",
+                    ha="center", fontsize=8)
+        top = max(top, f["total"])
+        if s in meas:
+            mb = 0.0
+            for c, v in meas[s].items():
+                if v:
+                    ax.bar(s + shift, v, bottom=mb, width=width, color=CATEGORY_COLORS.get(c, "#b0b0b0"),
+                           hatch="//", edgecolor="white", gid=f"measured:{STAGES[s]}:{c}")
+                    mb += v
+            ax.annotate(f"{format_bytes(mb)}\nmeasured", (s + shift, mb), xytext=(0, 3),
+                        textcoords="offset points", ha="center", fontsize=7)
+            top = max(top, mb)
+    ax.set_xticks(range(4), [f"{name}\n{zero_formula_text(s, optimizer, bytes_per_param)}"
+                             for s, name in enumerate(STAGES)])
+    byte_axis(ax, top * 1.05)
+    used = [c for c in CATEGORY_COLORS if any(f[c] for f in formulas if c in _FORMULA_PARTS)
+            or any(m.get(c) for m in meas.values())]
+    handles = [Patch(facecolor=CATEGORY_COLORS[c], label=c) for c in used]
+    if meas:
+        handles.append(Patch(facecolor="white", edgecolor="grey", hatch="//", label="measured"))
+    ax.legend(handles=handles, fontsize=8, loc="upper right")
+    opt = {"adam": "Adam", "adamw": "AdamW", "sgd_momentum": "SGD with momentum", "sgd": "SGD"}[optimizer.lower()]
+    ax.set_title(title or f"Model state per rank: Ψ = {numel:,} parameters, N = {world_size}, {opt}, "
+                 f"{bytes_per_param} bytes per value", fontsize=10)
+    return fig
