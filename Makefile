@@ -26,6 +26,8 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	@# build matplotlib's font cache first: its one-time warning would otherwise land in a notebook cell
+	$(BIN)/python -c "import matplotlib.font_manager"
 	$(BIN)/python -m pytest -n 2 --dist loadfile \
 		--nbval --nbval-current-env --nbval-cell-timeout=240 \
 		--nbval-sanitize-with tests/sanitize.cfg \

@@ -1,0 +1,153 @@
+"""The exercise checkers pass the reference solutions and fail planted mistakes with the right hint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from fsdp_course import RankContext
+from fsdp_course.checks import check_all_reduce, compare_tensor, format_tensor
+
+ROOT = Path(__file__).resolve().parents[1]
+PASSED = "All tests in check_all_reduce passed (world sizes 1, 2, 3, 4)"
+
+
+def _solution(name: str) -> object:
+    """The function `name` as defined by the solution cells of solutions/01_collectives.ipynb."""
+    nb = nbformat.read(ROOT / "solutions" / "01_collectives.ipynb", as_version=4)
+    namespace: dict = {}
+    exec("import torch\nfrom fsdp_course import RankContext, run_ranks", namespace)  # the notebook's imports
+    for cell in nb.cells:
+        if cell.metadata.get("nbgrader", {}).get("solution"):
+            exec(cell.source, namespace)
+    return namespace[name]
+
+
+def _pad(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.reshape(-1)
+    return torch.cat([flat, flat.new_zeros((-flat.numel()) % ctx.world_size)])
+
+
+def averages(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    full = ctx.all_gather(ctx.reduce_scatter(_pad(ctx, tensor), op="mean"))
+    return full[: tensor.numel()].reshape(tensor.shape)
+
+
+def keeps_padding(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    return ctx.all_gather(ctx.reduce_scatter(_pad(ctx, tensor)))
+
+
+def keeps_padding_then_reshapes(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    return ctx.all_gather(ctx.reduce_scatter(_pad(ctx, tensor))).reshape(tensor.shape)
+
+
+def never_pads(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    return ctx.all_gather(ctx.reduce_scatter(tensor.reshape(-1))).reshape(tensor.shape)
+
+
+def uses_all_reduce(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    return ctx.all_reduce(tensor.clone())
+
+
+def returns_own_chunk(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    return ctx.reduce_scatter(_pad(ctx, tensor))
+
+
+def pads_by_rank(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    padded = torch.cat([_pad(ctx, tensor), tensor.new_zeros(ctx.world_size * ctx.rank)])  # rank-dependent
+    full = ctx.all_gather(ctx.reduce_scatter(padded))
+    return full[: tensor.numel()].reshape(tensor.shape)
+
+
+def stub(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    # YOUR CODE HERE
+    raise NotImplementedError()
+
+
+def test_reference_solution_passes_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    check_all_reduce(_solution("my_all_reduce"))
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == PASSED
+    assert "reduce_scatter 48 B + all_gather 48 B = 96 B sent" in out
+
+
+def test_world_sizes_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    check_all_reduce(_solution("my_all_reduce"), world_sizes=(3, 5))
+    assert capsys.readouterr().out.startswith("All tests in check_all_reduce passed (world sizes 3, 5)\n")
+
+
+@pytest.mark.parametrize(("fn", "hint"), [
+    (averages, "rank 0's result is 2x too small: did you average"),
+    (keeps_padding, "shape differs: did you remove the padding?"),
+    (keeps_padding_then_reshapes, "the gathered tensor still has the padding"),
+    (never_pads, "pad it with zeros to a multiple of the world size"),
+    (uses_all_reduce, "build it from ctx.reduce_scatter and ctx.all_gather only"),
+    (returns_own_chunk, "use ctx.reduce_scatter (sum the chunks), then ctx.all_gather"),
+    (pads_by_rank, "every rank must pad to the same length"),
+])
+def test_planted_mistake_fails_with_hint(fn: object, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(AssertionError) as info:
+        check_all_reduce(fn, world_sizes=(1, 2, 3))  # every planted mistake shows by world size 2
+    out = capsys.readouterr().out
+    assert "check_all_reduce FAILED at world size" in out
+    assert hint in out and hint in str(info.value)
+    assert PASSED not in out
+
+
+def test_failure_report_names_world_size_rank_tensors_and_difference(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(AssertionError):
+        check_all_reduce(averages, world_sizes=(4,))
+    out = capsys.readouterr().out
+    assert out.startswith("check_all_reduce FAILED at world size 4, input shape (1,)\n")
+    for text in ("rank 0: values differ", "rank 3 input [", "expected [", "got      [", "max difference",
+                 "4x too small"):
+        assert text in out
+
+
+def test_exception_report_points_into_the_learners_code(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(AssertionError):
+        check_all_reduce(never_pads)
+    out = capsys.readouterr().out
+    assert "rank 0 raised ValueError" in out
+    assert "in never_pads: return ctx.all_gather" in out
+    assert "simulate.py" not in out  # library frames are left out
+
+
+def test_stub_reports_not_implemented(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(NotImplementedError, match="stub is not implemented yet"):
+        check_all_reduce(stub)
+    assert "FAILED" not in capsys.readouterr().out
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="takes your function itself"):
+        check_all_reduce("my_all_reduce")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="world_sizes"):
+        check_all_reduce(stub, world_sizes=(0,))
+    with pytest.raises(ValueError, match="world_sizes"):
+        check_all_reduce(stub, world_sizes=())
+
+
+def test_compare_tensor_hints() -> None:
+    expected = torch.tensor([4.0, 8.0, 12.0])
+    assert compare_tensor(expected, expected.clone(), world_size=4, rank=0) is None
+    problem, hint, details = compare_tensor(expected, expected * 4, world_size=4, rank=2)
+    assert problem == "rank 2: values differ" and "4x too large" in hint
+    assert "max difference 36 at flat index 2" in details
+    _, hint, _ = compare_tensor(expected, torch.tensor([4.0, 8.0, 12.0, 0.0]), world_size=4, rank=1,
+                                padded_numel=4)
+    assert "did you remove the padding?" in hint
+    _, hint, _ = compare_tensor(expected, torch.tensor([4.0]), world_size=3, rank=1, padded_numel=3)
+    assert "that is one chunk" in hint
+    _, hint, _ = compare_tensor(expected, expected.double(), world_size=2, rank=0)
+    assert "keep the input's dtype" in hint
+    problem, _, _ = compare_tensor(expected, None, world_size=2, rank=1)
+    assert problem == "rank 1 returned NoneType, not a tensor"
+
+
+def test_format_tensor() -> None:
+    assert format_tensor(torch.tensor([1.0, 2.5, -3.0])) == "[1, 2.5, -3] shape (3,)"
+    assert format_tensor(torch.arange(20), limit=3) == "[0, 1, 2, ... (20 values)] shape (20,)"
