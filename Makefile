@@ -18,8 +18,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 lab: $(STAMP)
-	$(BIN)/jupyter lab --ServerApp.root_dir="$(CURDIR)" \
-		--LabApp.default_url=/lab/tree/lessons/00_welcome.ipynb
+	$(BIN)/python -m fsdp_course.lab
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

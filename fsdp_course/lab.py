@@ -1,0 +1,88 @@
+"""Start the course's JupyterLab: on lesson 00, with a token, no pop-ups, and the URL printed.
+
+`make lab` runs `python -m fsdp_course.lab`. The browser test (tests/test_browser.py) starts the
+same server through `lab_command`, so what it checks is what a student opens.
+
+No pop-ups: JupyterLab 4 asks on first start whether to fetch Jupyter news; the answer lives in the
+`@jupyterlab/apputils-extension:notification` settings, which an `overrides.json` in the
+environment's `share/jupyter/lab/settings/` sets for every user of this environment
+(https://jupyterlab.readthedocs.io/en/stable/user/directories.html#overrides-json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import sys
+from pathlib import Path
+
+__all__ = ["DEFAULT_LESSON", "free_port", "install_settings", "lab_command", "main"]
+
+DEFAULT_LESSON = "lessons/00_welcome.ipynb"
+_OVERRIDES = {
+    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
+}
+
+
+def install_settings(prefix: str | Path = sys.prefix) -> Path:
+    """Merge the course's JupyterLab settings into `<prefix>/share/jupyter/lab/settings/overrides.json`."""
+    path = Path(prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    current = json.loads(path.read_text()) if path.exists() else {}
+    for plugin, values in _OVERRIDES.items():
+        current.setdefault(plugin, {}).update(values)
+    path.write_text(json.dumps(current, indent=2) + "\n")
+    return path
+
+
+def free_port(start: int = 8888, tries: int = 50) -> int:
+    """The first port from `start` on that is free on 127.0.0.1 (0 asks the system for any)."""
+    for port in ([0] if start == 0 else range(start, start + tries)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port in {start}..{start + tries - 1}: pass --port")
+
+
+def lab_command(root: str | Path, *, port: int, token: str, open_browser: bool = True,
+                default_url: str = f"/lab/tree/{DEFAULT_LESSON}", expose_app: bool = False) -> list[str]:
+    """The `jupyter lab` command line of the course's server."""
+    cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={root}", "--ServerApp.ip=127.0.0.1",
+           f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+           f"--LabApp.default_url={default_url}", "--LabApp.news_url=None",
+           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    if not open_browser:
+        cmd.append("--no-browser")
+    if expose_app:
+        cmd.append("--LabApp.expose_app_in_browser=True")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")
+    return cmd
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Open JupyterLab on lesson 00 of the course in the current directory."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m fsdp_course.lab", description=main.__doc__)
+    parser.add_argument("--port", type=int, default=8888, help="first port to try (default 8888)")
+    parser.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    args = parser.parse_args(argv)
+    root = Path.cwd()
+    if not (root / DEFAULT_LESSON).exists():
+        parser.error(f"{DEFAULT_LESSON} not found: run this from the course's top folder (where README.md is)")
+    install_settings()
+    port, token = free_port(args.port), secrets.token_hex(16)
+    url = f"http://127.0.0.1:{port}/lab/tree/{DEFAULT_LESSON}?token={token}"
+    print(f"\n  fsdp-course: JupyterLab at {url}\n  (Ctrl-C to stop)\n", flush=True)
+    cmd = lab_command(root, port=port, token=token, open_browser=not args.no_browser)
+    os.execv(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    main()
