@@ -1,0 +1,179 @@
+"""Which samples each rank trains on: a DistributedSampler, and global-batch helpers.
+
+`DistributedSampler` is written out step by step the way the article's Java
+`DistributedSamplerCompleteV2.setEpoch` does it:
+  1. list all indices 0..n-1,
+  2. shuffle them with a generator seeded `seed + epoch` (every rank draws the same order),
+  3. pad by repeating from the start (`allIndices.get(size % numSamples)`) until the length is
+     num_replicas * ceil(n / num_replicas),
+  4. rank r takes every num_replicas-th index starting at r (`for i = rank; i += worldSize`).
+The article's version shuffles with `java.util.Random` and has no `drop_last`; this one uses
+`torch.randperm` with a `torch.Generator` and adds `drop_last`, so that it yields exactly the
+indices of `torch.utils.data.DistributedSampler` (PyTorch docs, torch/utils/data/distributed.py)
+for every dataset size, world size, seed, epoch and flag (tests/test_sampler.py checks this).
+Unlike PyTorch's, it never asks `torch.distributed` for the world size or rank: ranks here are
+threads, so both are passed explicitly.
+
+For equivalence tests (one process on the global batch vs N ranks on their parts):
+  - `global_batches(n, batch_size, seed=, epoch=)`: the epoch's shuffled order cut into batches.
+  - `rank_slice(batch, rank, world_size)`: rank r's *contiguous* part of a global batch;
+    `torch.cat([rank_slice(b, r, W) for r in range(W)]) == b` exactly.
+With equal parts and a mean loss, the mean over ranks of each rank's mean-loss gradient equals the
+full-batch gradient (up to rounding): the identity data parallelism rests on (ZeRO, arXiv:1910.02054).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence, Sized
+
+import torch
+from torch import Tensor
+from torch.utils.data import Sampler
+
+__all__ = ["DistributedSampler", "global_batch", "global_batches", "rank_slice"]
+
+
+def _length(dataset: Sized | int) -> int:
+    n = dataset if isinstance(dataset, int) else len(dataset)
+    if n < 0:
+        raise ValueError(f"dataset size must be >= 0, got {n}")
+    return n
+
+
+class DistributedSampler(Sampler[int]):
+    """Same indices as `torch.utils.data.DistributedSampler`; world size and rank given explicitly.
+
+    dataset: anything with len(), or the number of samples. Iterating yields this rank's
+    `len(self)` indices for the current epoch; call `set_epoch(e)` before each epoch to reshuffle.
+    """
+
+    def __init__(
+        self,
+        dataset: Sized | int,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"Invalid rank {rank}, rank should be in the interval "
+                             f"[0, {num_replicas - 1}]")
+        self.dataset_size = _length(dataset)
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        if drop_last:
+            # cut the tail so every rank gets the same count without repeats
+            self.num_samples = self.dataset_size // num_replicas
+        else:
+            # the article's numSamplesPerRank = (numSamples + worldSize - 1) / worldSize
+            self.num_samples = -(-self.dataset_size // num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use a different (but rank-agreed) order next epoch: the generator seed is seed + epoch."""
+        self.epoch = epoch
+
+    def all_indices(self) -> list[int]:
+        """The padded (or cut) global order of this epoch, before it is split among ranks."""
+        n = self.dataset_size
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(n, generator=g).tolist()
+        else:
+            indices = list(range(n))
+        if self.drop_last:
+            return indices[: self.total_size]
+        # pad by going round again from the start, as the article's while loop does
+        original = len(indices)
+        while len(indices) < self.total_size:
+            indices.append(indices[len(indices) % original])
+        return indices
+
+    def indices(self) -> list[int]:
+        """This rank's indices: every num_replicas-th of `all_indices()`, starting at rank."""
+        return self.all_indices()[self.rank : self.total_size : self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __repr__(self) -> str:
+        return (f"DistributedSampler(size={self.dataset_size}, num_replicas={self.num_replicas}, "
+                f"rank={self.rank}, shuffle={self.shuffle}, seed={self.seed}, "
+                f"drop_last={self.drop_last}, epoch={self.epoch})")
+
+
+def global_batches(
+    n: int,
+    batch_size: int,
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = True,
+    drop_last: bool = True,
+) -> list[Tensor]:
+    """One epoch of global batches: LongTensors of indices into a data set of n samples.
+
+    The order is the one a DistributedSampler with the same seed and epoch shuffles
+    (`torch.randperm(n)` from a generator seeded seed + epoch), cut into consecutive batches.
+    drop_last=True drops a final batch smaller than batch_size.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if shuffle:
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)
+        order = torch.randperm(n, generator=g)
+    else:
+        order = torch.arange(n)
+    batches = list(torch.split(order, batch_size))
+    if drop_last and batches and len(batches[-1]) < batch_size:
+        batches.pop()
+    return batches
+
+
+def global_batch(n: int, batch_size: int, step: int, *, seed: int = 0,
+                 shuffle: bool = True) -> Tensor:
+    """The indices of the global batch for training step `step`, counting across epochs.
+
+    Each epoch has n // batch_size full batches; step k is batch k % that of epoch
+    k // that, so a loop can run more steps than one epoch holds.
+    """
+    per_epoch = n // batch_size
+    if per_epoch < 1:
+        raise ValueError(f"batch_size={batch_size} is larger than the data set ({n} samples)")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    epoch, k = divmod(step, per_epoch)
+    return global_batches(n, batch_size, seed=seed, epoch=epoch, shuffle=shuffle)[k]
+
+
+def rank_slice(batch: Tensor | Sequence[int], rank: int, world_size: int, *,
+               allow_uneven: bool = False) -> Tensor:
+    """Rank `rank`'s contiguous part of a global batch (indices or data, split along dim 0).
+
+    Part r is batch[r * B // W : (r + 1) * B // W] when W divides B, so concatenating the parts
+    in rank order gives the global batch back exactly. If W does not divide B this raises,
+    because averaging per-rank *mean* losses over unequal parts is not the global mean;
+    allow_uneven=True splits like `torch.tensor_split` (the first B % W ranks get one more).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, {world_size - 1}]")
+    t = batch if isinstance(batch, Tensor) else torch.as_tensor(list(batch), dtype=torch.long)
+    size = t.shape[0]
+    if size % world_size and not allow_uneven:
+        raise ValueError(f"global batch of {size} does not split evenly over {world_size} ranks; "
+                         f"pick a batch size divisible by the world size or pass allow_uneven=True")
+    return torch.tensor_split(t, world_size)[rank]
