@@ -5,6 +5,8 @@ Every `solutions/NN_topic.ipynb` becomes `exercises/NN_topic.ipynb`:
 - nbgrader's own `ClearSolutions` preprocessor replaces each `### BEGIN SOLUTION` ... `### END SOLUTION`
   region with `# YOUR CODE HERE` + `raise NotImplementedError()` (no home-made parser; run through
   nbconvert's exporter API, no gradebook needed);
+- nbgrader's `ClearHiddenTests` removes each `### BEGIN HIDDEN TESTS` ... `### END HIDDEN TESTS` region
+  of a checker cell (the instructor's extra cases; `fsdp-course grade` puts them back, see grading.py);
 - nbgrader's `ClearOutput` drops every output and execution count;
 - execution timestamps in cell metadata are dropped, and the JSON is written the way nbformat writes
   it (sorted keys, one-space indent) plus a final newline, so regenerating changes nothing.
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import nbformat
 from nbconvert.exporters import NotebookExporter
-from nbgrader.preprocessors import ClearOutput, ClearSolutions
+from nbgrader.preprocessors import ClearHiddenTests, ClearOutput, ClearSolutions
 
 __all__ = ["check", "exercise_json", "generate", "main"]
 
@@ -37,6 +39,7 @@ def exercise_json(solution: Path) -> str:
     nb = nbformat.read(solution, as_version=4)
     exporter = NotebookExporter()
     exporter.register_preprocessor(ClearSolutions(), enabled=True)
+    exporter.register_preprocessor(ClearHiddenTests(), enabled=True)
     exporter.register_preprocessor(ClearOutput(), enabled=True)
     body, _ = exporter.from_notebook_node(nb, resources={})
     cleaned = nbformat.reads(body, as_version=4)

@@ -1,29 +1,23 @@
-"""The exercise checkers pass the reference solutions and fail planted mistakes with the right hint."""
+"""The checkers of exercise 01 and the shared machinery: the reference passes, planted mistakes get the right hint.
+
+The checkers of the later exercises are tested the same way in test_checks_exercises.py.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import nbformat
 import pytest
 import torch
+from reference_solutions import load
 
 from fsdp_course import RankContext
-from fsdp_course.checks import check_all_reduce, compare_tensor, format_tensor
+from fsdp_course.checks import check_all_reduce, check_ring_all_reduce, compare_tensor, format_tensor
 
-ROOT = Path(__file__).resolve().parents[1]
 PASSED = "All tests in check_all_reduce passed (world sizes 1, 2, 3, 4)"
 
 
 def _solution(name: str) -> object:
     """The function `name` as defined by the solution cells of solutions/01_collectives.ipynb."""
-    nb = nbformat.read(ROOT / "solutions" / "01_collectives.ipynb", as_version=4)
-    namespace: dict = {}
-    exec("import torch\nfrom fsdp_course import RankContext, run_ranks", namespace)  # the notebook's imports
-    for cell in nb.cells:
-        if cell.metadata.get("nbgrader", {}).get("solution"):
-            exec(cell.source, namespace)
-    return namespace[name]
+    return load("01_collectives")[name]
 
 
 def _pad(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
@@ -151,3 +145,92 @@ def test_compare_tensor_hints() -> None:
 def test_format_tensor() -> None:
     assert format_tensor(torch.tensor([1.0, 2.5, -3.0])) == "[1, 2.5, -3] shape (3,)"
     assert format_tensor(torch.arange(20), limit=3) == "[0, 1, 2, ... (20 values)] shape (20,)"
+
+
+# -- the ring all-reduce ------------------------------------------------------------------------------
+def _ring_pad(ctx: RankContext, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    buf = _pad(ctx, tensor)
+    return buf, buf.chunk(ctx.world_size)
+
+
+def ring_reduce_scatter_only(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    n, r = ctx.world_size, ctx.rank
+    buf, chunks = _ring_pad(ctx, tensor)
+    incoming = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        work = ctx.group.send([chunks[(r - step) % n]], (r + 1) % n, step)
+        ctx.group.recv([incoming], (r - 1) % n, step).wait()
+        work.wait()
+        chunks[(r - step - 1) % n].add_(incoming)
+    return buf[: tensor.numel()].reshape(tensor.shape)
+
+
+def ring_mirrored(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    """Right values, but around the ring the other way: rank r sends to r - 1."""
+    n, r = ctx.world_size, ctx.rank
+    buf, chunks = _ring_pad(ctx, tensor)
+    incoming = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        work = ctx.group.send([chunks[(r + step) % n]], (r - 1) % n, step)
+        ctx.group.recv([incoming], (r + 1) % n, step).wait()
+        work.wait()
+        chunks[(r + step + 1) % n].add_(incoming)
+    for step in range(n - 1):
+        work = ctx.group.send([chunks[(r - 1 + step) % n]], (r - 1) % n, n + step)
+        ctx.group.recv([chunks[(r + step) % n]], (r + 1) % n, n + step).wait()
+        work.wait()
+    return buf[: tensor.numel()].reshape(tensor.shape)
+
+
+def ring_whole_tensor(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    """Right values: pass the whole running sum around the ring, N - 1 times."""
+    n, r = ctx.world_size, ctx.rank
+    total, passing, incoming = tensor.clone(), tensor.clone(), torch.empty_like(tensor)
+    for step in range(n - 1):
+        work = ctx.group.send([passing], (r + 1) % n, step)
+        ctx.group.recv([incoming], (r - 1) % n, step).wait()
+        work.wait()
+        total += incoming
+        passing = incoming.clone()
+    return total
+
+
+@pytest.mark.parametrize(("fn", "hint"), [
+    (ring_reduce_scatter_only, "too few messages: after the N - 1 reduce-scatter steps"),
+    (ring_mirrored, "in a ring, rank r sends only to its right neighbour (r + 1) % N (here 1)"),
+    (ring_whole_tensor, "each step sends one chunk (padded numel / N elements), not the whole tensor"),
+    (uses_all_reduce, "build it from ctx.group.send and ctx.group.recv only"),
+])
+def test_ring_planted_mistake_fails_with_hint(fn: object, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(AssertionError):
+        check_ring_all_reduce(fn, world_sizes=(1, 3))
+    out = capsys.readouterr().out
+    assert "check_ring_all_reduce FAILED at world size" in out and hint in out
+
+
+def test_ring_reference_passes_and_reports_traffic(capsys: pytest.CaptureFixture[str]) -> None:
+    check_ring_all_reduce(_solution("ring_all_reduce"))
+    out = capsys.readouterr().out
+    assert out.startswith("All tests in check_ring_all_reduce passed (world sizes 1, 2, 3, 4)\n")
+    assert "2(N-1) = 6 messages of one 16 B chunk = 96 B sent" in out
+
+
+def test_ring_stub_and_a_send_that_is_never_received(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(NotImplementedError, match="stub is not implemented yet"):
+        check_ring_all_reduce(stub, world_sizes=(2,))
+
+    def sends_only(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+        if ctx.rank == 1:  # waits for a message rank 0 never sends
+            ctx.group.recv([torch.empty(1)], 0, 99).wait()
+        return tensor
+
+    from fsdp_course.checks import collectives
+
+    old, collectives_timeout = collectives.run_checked.__defaults__, 2.0
+    collectives.run_checked.__defaults__ = (collectives_timeout,)
+    try:
+        with pytest.raises(AssertionError):
+            check_ring_all_reduce(sends_only, world_sizes=(2,))
+    finally:
+        collectives.run_checked.__defaults__ = old
+    assert "a send or recv waited for a partner that never came" in capsys.readouterr().out

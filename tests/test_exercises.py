@@ -1,9 +1,9 @@
 """exercises/ is generated from solutions/ by nbgrader's ClearSolutions, stays in sync, and runs as a learner sees it.
 
 What an unsolved exercise does, precisely: the stub cells (nbgrader solution cells) run without error, because
-every stub sits inside a function; every checker cell (nbgrader grade cell) fails with NotImplementedError saying
-"not implemented yet"; every other cell runs cleanly. So a learner can run the notebook top to bottom, and an
-unsolved exercise scores 0.
+every stub sits inside a function (or a method); every checker cell (nbgrader grade cell) fails with
+NotImplementedError saying "not implemented yet"; every other cell runs cleanly. So a learner can run the notebook
+top to bottom, and an unsolved exercise scores 0. Every solution/exercise pair is covered (parametrized by file).
 """
 
 from __future__ import annotations
@@ -26,6 +26,19 @@ EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 
 def _nbgrader(cell: nbformat.NotebookNode) -> dict:
     return cell.metadata.get("nbgrader", {})
+
+
+def _without_hidden_tests(source: str) -> str:
+    """The source with its `### BEGIN HIDDEN TESTS` ... `### END HIDDEN TESTS` lines removed (what learners get)."""
+    kept, hidden = [], False
+    for line in source.split("\n"):
+        if "BEGIN HIDDEN TESTS" in line:
+            hidden = True
+        elif "END HIDDEN TESTS" in line:
+            hidden = False
+        elif not hidden:
+            kept.append(line)
+    return "\n".join(kept)
 
 
 def test_there_are_exercises_for_every_solution() -> None:
@@ -86,11 +99,23 @@ def test_exercise_is_the_solution_with_stubs_and_no_outputs(solution: Path) -> N
             assert e.source.startswith(before_region), "the stub's instructions above the region must stay"
             assert "roughly" in before_region, "a stub says roughly how many lines to write"
         else:
-            assert e.source == s.source
+            assert e.source == _without_hidden_tests(s.source)
             assert "BEGIN SOLUTION" not in s.source
+            assert "HIDDEN TESTS" not in e.source
+            if "BEGIN HIDDEN TESTS" in s.source:
+                assert _nbgrader(s).get("grade"), "hidden tests belong in a checker (grade) cell"
         if _nbgrader(s).get("grade"):
             assert _nbgrader(e) == _nbgrader(s) and _nbgrader(e)["locked"] and _nbgrader(e)["points"] > 0
     assert stubs > 0
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.name)
+def test_checker_cells_import_their_own_checker(solution: Path) -> None:
+    """A checker cell imports its checker itself: editing the notebook's import cell cannot swap the checker out."""
+    nb = nbformat.read(solution, as_version=4)
+    for cell in nb.cells:
+        if _nbgrader(cell).get("grade"):
+            assert cell.source.startswith("from fsdp_course.checks import "), cell.id
 
 
 def _execute(path: Path) -> nbformat.NotebookNode:

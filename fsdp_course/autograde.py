@@ -1,0 +1,295 @@
+"""Grade one submitted notebook with nbgrader's own preprocessors: the worker behind `fsdp-course grade`.
+
+nbgrader's `autograde` runs two passes over a submission, both built from its preprocessors, against a
+gradebook made from the instructor's notebooks. This module runs the same passes, without a course
+directory:
+
+- gradebook: `build_gradebook` feeds every `solutions/NN_topic.ipynb` through `ClearSolutions`,
+  `ClearOutput`, `ComputeChecksums` and `SaveCells` (what `nbgrader generate_assignment` does), so the
+  gradebook holds each checker cell as the instructor wrote it, hidden tests included;
+- sanitize: `ClearOutput`, `DeduplicateIds`, `OverwriteKernelspec`, `OverwriteCells` (with
+  `add_missing_cells`: a deleted checker comes back; an edited or emptied one is put back by its
+  checksum), `CheckCellMetadata`;
+- execute: nbgrader's `Execute` in a fresh kernel of this Python, in a private temporary directory
+  holding only a copy of the notebook, extended (timed_execute.py) with one time limit for the whole
+  notebook and a cap on each cell's output; then `LimitOutput`;
+- score: `SaveAutoGrades` into a fresh copy of the gradebook (nbgrader's `determine_grade`: a checker
+  cell with an error, or with output on stderr, scores 0), read back per checker cell.
+
+Four steps are added, each for a case nbgrader leaves open: a cell that names no cell of this
+exercise loses its nbgrader metadata (SaveAutoGrades would crash on it); the exercise's cells get
+the instructor's nbgrader flags back (a solution cell turned into a checker gains nothing); a
+checker cell moved above the cells it checks is moved back below them; and cells left unexecuted
+(time limit, dead kernel) get an error output, so `determine_grade` cannot mistake "never ran" for
+"no error". If `add_missing_cells` cannot place a deleted checker (nbgrader puts it after the cell
+before it, which may be gone too), the missing checkers go at the end.
+
+Usage (grading.py runs it in one worker process per notebook; by hand: `python -m
+fsdp_course.autograde JOB.json`): the job names the submission, its exercise, the gradebook, the time
+limit and where to write the result (JSON). Everything that can go wrong is caught and reported in it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import nbformat
+from nbformat import NotebookNode
+from nbgrader.api import Gradebook
+from nbgrader.preprocessors import (
+    CheckCellMetadata,
+    ClearHiddenTests,
+    ClearOutput,
+    ClearSolutions,
+    ComputeChecksums,
+    DeduplicateIds,
+    LimitOutput,
+    OverwriteCells,
+    OverwriteKernelspec,
+    SaveAutoGrades,
+    SaveCells,
+)
+
+from fsdp_course.timed_execute import NOT_RUN, TimedExecute, error_output, kernel_manager, shutdown
+
+ASSIGNMENT = "fsdp-course"
+
+__all__ = ["ASSIGNMENT", "build_gradebook", "cell_order", "exercise_ids", "grade_notebook", "main"]
+
+
+def _ensure_alembic_on_path() -> None:
+    """nbgrader creates a gradebook by running the `alembic` script: make this interpreter's scripts findable."""
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
+def build_gradebook(solutions: Sequence[Path], db_path: Path) -> dict[str, float]:
+    """An nbgrader gradebook (sqlite) of the exercises, as `generate_assignment` records them; max score each."""
+    _ensure_alembic_on_path()
+    db_url = f"sqlite:///{db_path}"
+    with Gradebook(db_url) as gb:
+        gb.update_or_create_assignment(ASSIGNMENT)
+    for path in solutions:
+        nb = nbformat.read(path, as_version=4)
+        resources = {"nbgrader": {"notebook": Path(path).stem, "assignment": ASSIGNMENT, "db_url": db_url}}
+        for pp in (ClearSolutions(), ClearOutput(), ComputeChecksums(), SaveCells()):
+            nb, resources = pp.preprocess(nb, resources)
+    with Gradebook(db_url) as gb:
+        return {nb.name: float(nb.max_score) for nb in gb.find_assignment(ASSIGNMENT).notebooks}
+
+
+def exercise_ids(db_url: str) -> dict[str, dict[str, Any]]:
+    """Per exercise: its checker cells' points ("graded") and its recorded cells' sources ("sources"), by id."""
+    out: dict[str, dict[str, Any]] = {}
+    with Gradebook(db_url) as gb:
+        for nb in gb.find_assignment(ASSIGNMENT).notebooks:
+            out[nb.name] = {"graded": {c.name: float(c.max_score) for c in nb.grade_cells},
+                            "solutions": sorted(c.name for c in nb.solution_cells),
+                            "sources": {c.name: c.source for c in nb.source_cells}}
+    return out
+
+
+def cell_order(notebook: Path) -> list[str]:
+    """The nbgrader ids of a notebook's cells, in order (the gradebook does not keep the order)."""
+    return [gid for c in nbformat.read(notebook, as_version=4).cells if (gid := _nbgrader_id(c))]
+
+
+# -- one submission ----------------------------------------------------------------------------------
+def _nbgrader_id(cell: NotebookNode) -> str | None:
+    meta = cell.metadata.get("nbgrader")
+    return meta.get("grade_id") if isinstance(meta, dict) else None
+
+
+def _strip_hidden(source: str) -> str:
+    cell = nbformat.v4.new_code_cell(source)
+    ClearHiddenTests()._remove_hidden_test_region(cell)
+    return cell.source
+
+
+def _order_checks_after_sources(nb: NotebookNode, source_order: list[str], graded: dict[str, float]) -> list[str]:
+    """Move each checker cell below the instructor's cells that come before it (a checker moved up runs too early)."""
+    moved = []
+    for gid in (g for g in source_order if g in graded):
+        ids = [_nbgrader_id(c) for c in nb.cells]
+        if gid not in ids:
+            continue
+        before = source_order[:source_order.index(gid)]
+        later = [i for i, x in enumerate(ids) if x in before and i > ids.index(gid)]
+        if later:
+            cell = nb.cells.pop(ids.index(gid))
+            nb.cells.insert(max(later), cell)  # the pop shifted the later cells up by one
+            moved.append(gid)
+    return moved
+
+
+def _sanitize(nb: NotebookNode, exercise: str, db_url: str, info: dict[str, Any]) -> list[str]:
+    """nbgrader's sanitizing pass plus the additions above; returns what was restored, for the feedback."""
+    graded, sources = info["graded"], info["sources"]
+    submitted = {_nbgrader_id(c): c.source for c in nb.cells if _nbgrader_id(c) in graded}
+    notes = []
+    for gid in graded:
+        if gid not in submitted:
+            notes.append(f"checker cell {gid} was missing: the instructor's was added back")
+        elif submitted[gid] != _strip_hidden(sources[gid]):
+            notes.append(f"checker cell {gid} was edited: the instructor's was put back")
+    for cell in nb.cells:
+        gid = _nbgrader_id(cell)
+        if "nbgrader" in cell.metadata and gid not in sources:  # naming no cell of this exercise: it would crash
+            del cell.metadata["nbgrader"]  # SaveAutoGrades
+        elif gid is not None:  # the instructor's flags: a solution cell turned into a checker gains nothing
+            cell.metadata["nbgrader"] = {"grade": gid in graded, "grade_id": gid, "locked": gid in graded,
+                                         "schema_version": 3, "solution": gid in info["solutions"], "task": False,
+                                         **({"points": graded[gid]} if gid in graded else {})}
+    resources = {"nbgrader": {"notebook": exercise, "assignment": ASSIGNMENT, "db_url": db_url}}
+    overwrite = OverwriteCells(add_missing_cells=True)
+    for pp in (ClearOutput(), DeduplicateIds(), OverwriteKernelspec()):
+        nb, resources = pp.preprocess(nb, resources)
+    try:
+        nb, resources = overwrite.preprocess(nb, resources)
+    except (KeyError, ValueError):  # nbgrader re-inserts a missing checker after the cell before it; if that
+        overwrite.add_missing_cells = False  # one is gone too, it fails: put the missing checkers at the end
+        nb, resources = overwrite.preprocess(nb, resources)
+        present = {_nbgrader_id(c) for c in nb.cells}
+        with Gradebook(db_url) as gb:
+            for gc in gb.find_notebook(exercise, ASSIGNMENT).grade_cells:
+                if gc.name not in present:
+                    source_cell = gb.find_source_cell(gc.name, exercise, ASSIGNMENT)
+                    nb.cells.append(overwrite.missing_cell_transform(source_cell, gc.max_score))
+    order = [cid for cid in info["order"] if cid in sources]
+    for gid in _order_checks_after_sources(nb, order, graded):
+        notes.append(f"checker cell {gid} stood above the cells it checks: it was moved back below them")
+    CheckCellMetadata().preprocess(nb, resources)
+    return notes
+
+
+def grade_notebook(job: dict[str, Any]) -> dict[str, Any]:
+    """Grade `job["submission"]` as exercise `job["exercise"]`; never raises: problems become the status."""
+    started = time.monotonic()
+    exercise = job["exercise"]
+    result: dict[str, Any] = {"exercise": exercise, "status": "ok", "notes": [], "checks": [], "errors": []}
+    master = Path(job["gradebook"]).read_bytes()  # the worker's own copies: the notebook may delete files
+    tmp = Path(tempfile.mkdtemp(prefix="fsdp_grade_job_"))
+    try:
+        text = Path(job["submission"]).read_bytes().decode("utf-8")
+        nb = nbformat.reads(text, as_version=4)
+        if not isinstance(nb.get("cells"), list):
+            raise ValueError("no list of cells")
+    except Exception as exc:  # noqa: BLE001
+        result.update(status="invalid", notes=[f"not a readable notebook ({type(exc).__name__}: {exc})"[:300]])
+        shutil.rmtree(tmp, ignore_errors=True)
+        return result
+    try:
+        return _grade(nb, job, master, tmp, result, started)
+    except Exception as exc:  # noqa: BLE001  (a grader problem: reported, never silent)
+        result["status"] = "error"
+        result["notes"].append(f"grading failed: {type(exc).__name__}: {exc}"[:500])
+        result["traceback"] = traceback.format_exc()[-3000:]
+        return result
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _grade(nb: NotebookNode, job: dict[str, Any], master: bytes, tmp: Path, result: dict[str, Any],
+           started: float) -> dict[str, Any]:
+    exercise, student = job["exercise"], job["student"]
+    db = tmp / "gradebook.db"
+    db.write_bytes(master)
+    db_url = f"sqlite:///{db}"
+    infos = exercise_ids(db_url)
+    info = dict(infos[exercise], order=job["order"][exercise])
+    present = {_nbgrader_id(c) for c in nb.cells} - {None}
+    if not present & set(info["sources"]):
+        others = sorted(name for name, other in infos.items() if present & set(other["sources"]))
+        why = f"it holds the cells of {', '.join(others)}" if others else "it holds no cell of this exercise"
+        result.update(status="invalid", notes=[f"not exercise {exercise}: {why}"])
+        return result
+    result["notes"] += _sanitize(nb, exercise, db_url, info)
+    db.unlink()
+
+    work = tmp / "work"
+    work.mkdir()
+    nbformat.write(nb, work / f"{exercise}.ipynb")  # the temporary copy the kernel runs beside
+    executor = TimedExecute(timeout=None, notebook_timeout=float(job["timeout"]),
+                            max_output_chars=int(job.get("max_output_chars", 20_000)), raise_on_iopub_timeout=False)
+    executor.pid_file = job.get("pid_file")
+    km = kernel_manager()
+    try:
+        nb, _ = executor.preprocess(nb, {"metadata": {"path": str(work)}}, km=km)
+    except Exception as exc:  # noqa: BLE001  (e.g. the kernel never started)
+        executor.stopped = executor.stopped or f"{type(exc).__name__}: {exc}"
+    finally:
+        shutdown(km)
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and index not in executor.executed and not cell.get("outputs"):
+            cell.outputs = [error_output(NOT_RUN, executor.stopped or "not run")]
+    nb, _ = LimitOutput().preprocess(nb, {})
+
+    db.write_bytes(master)  # a fresh copy: the notebook had the old one within reach
+    with Gradebook(db_url) as gb:
+        gb.update_or_create_student(student)
+        gb.update_or_create_submission(ASSIGNMENT, student)
+    resources = {"nbgrader": {"notebook": exercise, "assignment": ASSIGNMENT, "student": student, "db_url": db_url}}
+    SaveAutoGrades().preprocess(nb, resources)
+    cells = {_nbgrader_id(c): c for c in nb.cells if _nbgrader_id(c)}
+    with Gradebook(db_url) as gb:
+        for gid, points in info["graded"].items():
+            score = gb.find_grade(gid, exercise, ASSIGNMENT, student).auto_score
+            cell = cells.get(gid)
+            result["checks"].append({"grade_id": gid, "score": float(score or 0.0), "max_score": points,
+                                     "output": _cell_text(cell) if cell is not None else "(missing)"})
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and _nbgrader_id(cell) not in info["graded"]:
+            for o in cell.outputs:
+                if o.output_type == "error" and o.ename != NOT_RUN:
+                    result["errors"].append(f"cell {index + 1}: {o.ename}: {o.evalue}"[:300])
+    if executor.stopped.startswith("time limit"):
+        result["status"] = "timeout"
+        result["notes"].append(f"stopped: {executor.stopped}; the cells after it were not run")
+    elif executor.stopped:
+        result["status"] = "error"
+        result["notes"].append(f"stopped: {executor.stopped}; the cells after it were not run")
+    elif result["errors"]:
+        result["status"] = "error"
+    result["seconds"] = round(time.monotonic() - started, 1)
+    return result
+
+
+def _cell_text(cell: NotebookNode, max_lines: int = 40) -> str:
+    """What a checker cell printed, and its error, as plain text (the feedback shows it)."""
+    parts = []
+    for o in cell.get("outputs", []):
+        if o.output_type == "stream":
+            parts.append(o.text)
+        elif o.output_type == "error":
+            parts.append(f"{o.ename}: {o.evalue}\n")
+        elif "data" in o and "text/plain" in o.data:
+            parts.append(o.data["text/plain"] + "\n")
+    lines = "".join(parts).splitlines()
+    if len(lines) > max_lines:
+        lines = lines[:max_lines] + [f"... ({len(lines) - max_lines} more lines)"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m fsdp_course.autograde JOB.json`: grade one notebook, write the result JSON, exit 0."""
+    args = sys.argv[1:] if argv is None else argv
+    job = json.loads(Path(args[0]).read_text())
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # several kernels share the machine's cores
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    result = grade_notebook(job)
+    Path(job["result"]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

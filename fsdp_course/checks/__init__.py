@@ -1,0 +1,42 @@
+"""Exercise checkers: run a learner's function on simulated ranks and compare it with a pure computation.
+
+One module per exercise (named after the lesson it follows), the shared machinery in `_common` and
+`_training`: a checker either prints what passed (which world sizes, which cases) or prints exactly
+what failed (world size, rank, step, tensor, difference) with a hint, and raises `AssertionError`
+so that nbgrader scores the cell 0; a function still at its stub gives one `NotImplementedError`.
+
+    01 collectives   check_all_reduce, check_ring_all_reduce
+    02 ddp           check_broadcast_parameters, check_ddp
+    03 memory        check_zero_memory
+    05 flat_param    check_flat_param
+    06 fsdp          check_fsdp_unit
+    08 transformer   check_sharded_checkpoint (sharded checkpoint, loaded back under torchrun)
+    09 pitfalls      check_clip_grad_norm, check_train_step
+"""
+
+from fsdp_course.checks._common import CheckFailure, call_learner, compare_tensor, format_tensor, run_checked
+from fsdp_course.checks.checkpoint import check_sharded_checkpoint
+from fsdp_course.checks.collectives import check_all_reduce, check_ring_all_reduce
+from fsdp_course.checks.ddp import check_broadcast_parameters, check_ddp
+from fsdp_course.checks.flat_param import check_flat_param
+from fsdp_course.checks.fsdp_unit import check_fsdp_unit
+from fsdp_course.checks.memory import check_zero_memory
+from fsdp_course.checks.pitfalls import check_clip_grad_norm, check_train_step
+
+__all__ = [
+    "CheckFailure",
+    "call_learner",
+    "check_all_reduce",
+    "check_broadcast_parameters",
+    "check_clip_grad_norm",
+    "check_ddp",
+    "check_flat_param",
+    "check_fsdp_unit",
+    "check_ring_all_reduce",
+    "check_sharded_checkpoint",
+    "check_train_step",
+    "check_zero_memory",
+    "compare_tensor",
+    "format_tensor",
+    "run_checked",
+]

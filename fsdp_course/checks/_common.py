@@ -1,0 +1,226 @@
+"""What every exercise checker shares: the failure report, running the learner's code, comparing tensors.
+
+A checker runs the learner's function (on simulated ranks with `run_checked`, or directly with
+`call_learner`), compares what it got with a pure computation, and either prints what passed or
+prints a `CheckFailure` report (where, what differs, details, a hint) and raises `AssertionError`,
+so that nbgrader scores the cell 0. A function that still raises the stub's `NotImplementedError`
+gets one short `NotImplementedError` saying so ("... is not implemented yet"), instead of a wall of
+rank tracebacks: an unsolved exercise fails in its checker cells only, and only that way.
+
+The style follows ARENA's checkers ("All tests in `test_mv` passed!").
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import torch
+
+from fsdp_course.context import RankContext
+from fsdp_course.monitor import CollectiveHang, CollectiveMismatch
+from fsdp_course.simulate import RankError, run_ranks
+
+__all__ = ["CHECK_TIMEOUT", "CheckFailure", "call_learner", "compare_tensor", "exception_hint", "format_tensor",
+           "learner_frames", "not_implemented", "require_callable", "require_world_sizes", "run_checked"]
+
+LIBRARY_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../fsdp_course/
+_NOT_LEARNER = tuple({LIBRARY_DIR, *(os.path.abspath(sysconfig.get_paths()[k]) + os.sep
+                                     for k in ("stdlib", "purelib", "platlib"))})  # this library, torch, Python
+CHECK_TIMEOUT = 10.0  # seconds per run_ranks call: a correct solution needs well under one
+
+
+@dataclass
+class CheckFailure:
+    """What a checker found wrong, printed for the learner before the AssertionError."""
+
+    check: str  # e.g. "check_all_reduce"
+    where: str  # e.g. "world size 3, input shape (5,)"
+    problem: str  # one line: what differs
+    hint: str
+    details: list[str] = field(default_factory=list)  # tensors, differences, traceback lines
+
+    def report(self) -> str:
+        lines = [f"{self.check} FAILED at {self.where}", f"  {self.problem}"]
+        lines += [f"  {line}" for line in self.details]
+        lines.append(f"  hint: {self.hint}")
+        return "\n".join(lines)
+
+    def fail(self) -> NoReturn:
+        """Print the report and raise AssertionError (a grader scores the cell 0)."""
+        print(self.report())
+        raise AssertionError(f"{self.check} failed at {self.where}: {self.problem} (hint: {self.hint})") from None
+
+
+def require_callable(check: str, fn: object, example: str = "my_function") -> str:
+    """The learner's function's name; a TypeError if they passed something else (e.g. its name as a string)."""
+    if not callable(fn):
+        raise TypeError(f"{check} takes your function itself, e.g. {check}({example}); got {type(fn).__name__}")
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "your function")
+
+
+def require_world_sizes(world_sizes: Sequence[int]) -> list[int]:
+    sizes = list(world_sizes)
+    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise ValueError(f"world_sizes must be positive ints, got {world_sizes!r}")
+    return sizes
+
+
+def format_tensor(t: torch.Tensor, limit: int = 16) -> str:
+    """A short, deterministic rendering of a tensor's values: integers without '.0', at most `limit`."""
+    flat = t.detach().reshape(-1).tolist()
+    shown = [f"{v:.6g}" if isinstance(v, float) else str(v) for v in flat[:limit]]
+    more = f", ... ({len(flat)} values)" if len(flat) > limit else ""
+    return f"[{', '.join(shown)}{more}] shape {tuple(t.shape)}"
+
+
+def not_implemented(name: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{name} is not implemented yet: replace `raise NotImplementedError()` in its cell with your code, "
+        "run that cell, then run this one again")
+
+
+def _stub_name(exc: BaseException, default: str) -> str:
+    """The learner's function that raised NotImplementedError (e.g. a method of their class)."""
+    frames = learner_frame_summaries(exc)
+    return frames[-1].name if frames and frames[-1].name != "<module>" else default
+
+
+def run_checked(check: str, name: str, fn: Callable[[RankContext], Any], world_size: int,
+                where: Callable[[int], str], hint_for: Callable[[BaseException], str],
+                timeout: float = CHECK_TIMEOUT) -> list[Any]:
+    """`run_ranks(fn, world_size)`, turning failures into a learner-facing report.
+
+    `name` is the learner's function; `where(rank)` says which case that rank was in when it
+    failed; `hint_for(exc)` suggests a fix for an exception raised inside the learner's code.
+    Raises NotImplementedError if every failing rank is still at a stub, else AssertionError.
+    """
+    try:
+        return run_ranks(fn, world_size, timeout=timeout)
+    except RankError as err:
+        failures = err.failures
+        if all(isinstance(e, NotImplementedError) for e in failures.values()):
+            raise not_implemented(_stub_name(failures[min(failures)], name)) from None
+        rank = min(failures)
+        exc = failures[rank]
+        first, *rest = f"rank {rank} raised {type(exc).__name__}: {exc}".splitlines()
+        others = sorted(set(failures) - {rank})
+        details = list(rest)  # the rest of a multi-line message, e.g. each rank's call in a mismatch
+        if others:
+            details.append(f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too")
+        details += learner_frames(exc)
+        CheckFailure(check, where(rank), first, hint_for(exc), details).fail()
+
+
+def call_learner(check: str, name: str, fn: Callable[..., Any], *args: Any, where: str,
+                 hint_for: Callable[[BaseException], str] | None = None) -> Any:
+    """`fn(*args)` in this thread, with the same reporting as `run_checked` (for pure functions)."""
+    try:
+        return fn(*args)
+    except NotImplementedError as exc:
+        raise not_implemented(_stub_name(exc, name)) from None
+    except Exception as exc:  # noqa: BLE001  (reported to the learner)
+        hint = hint_for(exc) if hint_for is not None else exception_hint(exc)
+        CheckFailure(check, where, f"{name} raised {type(exc).__name__}: {exc}", hint, learner_frames(exc)).fail()
+
+
+def learner_frame_summaries(exc: BaseException) -> list[traceback.FrameSummary]:
+    return [f for f in traceback.extract_tb(exc.__traceback__)
+            if not os.path.abspath(f.filename).startswith(_NOT_LEARNER)]
+
+
+def learner_frames(exc: BaseException) -> list[str]:
+    """The traceback lines that are in the learner's code (not in this library), innermost last."""
+    lines = [f"line {f.lineno} in {f.name}: {(f.line or '').strip()}" for f in learner_frame_summaries(exc)[-3:]]
+    return ["where, in your code:"] + [f"  {line}" for line in lines] if lines else []
+
+
+def exception_hint(exc: BaseException) -> str:
+    """A hint for the exceptions every exercise can meet (collectives misused, shapes lost)."""
+    text = str(exc)
+    if "must divide by the world size" in text:
+        return ("reduce_scatter needs a length that divides by ctx.world_size: flatten the tensor and pad "
+                "it with zeros to a multiple of the world size first")
+    if isinstance(exc, CollectiveMismatch):
+        return ("the ranks made different calls (or used different shapes): every rank must call the same "
+                "collectives, with the same shapes, in the same order")
+    if isinstance(exc, CollectiveHang):
+        return "some rank skipped a collective that the others called: every rank must make every call"
+    if "is invalid for input of size" in text:
+        return ("the gathered tensor still has the padding: keep only the first tensor.numel() elements, "
+                "then reshape to tensor.shape")
+    if "post accumulate grad hooks should return None" in text:
+        return ("a post-accumulate-grad hook must return None: average p.grad in place (ctx.all_reduce(p.grad, "
+                "op='mean') works in place) inside a def that returns nothing, not a lambda that returns it")
+    if "must have at least one dimension" in text:
+        return "flatten the tensor with tensor.reshape(-1) before the collectives"
+    return "read the end of the traceback above: the last line of your code in it is where it went wrong"
+
+
+def compare_tensor(expected: torch.Tensor, got: object, *, world_size: int, rank: int,
+                   padded_numel: int | None = None, rtol: float = 1e-5,
+                   atol: float = 1e-6) -> tuple[str, str, list[str]] | None:
+    """None if `got` matches `expected`, else (problem, hint, detail lines) for a CheckFailure.
+
+    The hints recognise the usual mistakes of a sharded collective: a result N times too small
+    (averaged instead of summed), N times too large (summed twice), the padding left on, only this
+    rank's chunk returned, a lost shape or dtype.
+    """
+    n = world_size
+    if not isinstance(got, torch.Tensor):
+        return (f"rank {rank} returned {type(got).__name__}, not a tensor",
+                "return the result tensor at the end of your function", [])
+    details = [f"expected {format_tensor(expected)}", f"got      {format_tensor(got)}"]
+    if tuple(got.shape) != tuple(expected.shape):
+        problem = f"rank {rank}: shape differs: got {tuple(got.shape)}, expected {tuple(expected.shape)}"
+        if padded_numel is not None and got.numel() == padded_numel != expected.numel():
+            hint = (f"shape differs: did you remove the padding? keep only the first tensor.numel() "
+                    f"(here {expected.numel()}) elements of the gathered tensor, then reshape to tensor.shape")
+        elif padded_numel is not None and n > 1 and got.numel() == padded_numel // n:
+            hint = "that is one chunk: all_gather the reduced chunks so every rank holds all of them"
+        elif got.numel() == expected.numel():
+            hint = "same number of elements, different shape: reshape to the input's shape (tensor.shape)"
+        else:
+            hint = "shape differs: pad the flattened input, and cut the padding off the result"
+        return problem, hint, details
+    if got.dtype != expected.dtype:
+        return (f"rank {rank}: dtype differs: got {got.dtype}, expected {expected.dtype}",
+                "keep the input's dtype: pad with tensor.new_zeros(...) rather than torch.zeros(...)", details)
+    got_f, exp_f = got.detach().double(), expected.double()
+    if torch.allclose(got_f, exp_f, rtol=rtol, atol=atol):
+        return None
+    diff = (got_f - exp_f).abs()
+    index = int(diff.reshape(-1).argmax())
+    details.append(f"max difference {diff.max().item():g} at flat index {index}")
+    problem = f"rank {rank}: values differ"
+    hint = "look at the first element that differs, and at which chunk (index // chunk size) it falls in"
+    ratio = scale_ratio(got_f, exp_f)
+    if ratio is not None and n > 1 and abs(ratio * n - 1) < 1e-3:
+        hint = (f"rank {rank}'s result is {n}x too small: did you average (op='mean' or divide by the "
+                f"world size) instead of summing?")
+    elif ratio is not None and n > 1 and abs(ratio / n - 1) < 1e-3:
+        hint = (f"rank {rank}'s result is {n}x too large: did you sum twice (e.g. an all_reduce on top "
+                f"of the reduce_scatter)?")
+    return problem, hint, details
+
+
+def scale_ratio(got: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-4) -> float | None:
+    """c if got == c * expected elementwise (expected not all zero, c != 1), else None."""
+    got, expected = got.detach().double().reshape(-1), expected.detach().double().reshape(-1)
+    if got.shape != expected.shape or not expected.ne(0).any():
+        return None
+    c = float(got.dot(expected) / expected.dot(expected))
+    if c == 0 or abs(c - 1) < rtol:
+        return None
+    if torch.allclose(got, c * expected, rtol=rtol, atol=1e-7 * float(expected.abs().max())):
+        return c
+    return None
+
+
+def times(c: float) -> str:
+    """'4x' for 4.0, '0.25x' for 0.25: a ratio as the learner reads it."""
+    return f"{c:.3g}x"

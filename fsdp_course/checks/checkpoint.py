@@ -1,0 +1,285 @@
+"""Checker of exercise 08: a sharded checkpoint, saved per rank, loaded back exactly by other processes.
+
+A SHARDED checkpoint (PyTorch FSDP's `StateDictType.SHARDED_STATE_DICT`, arXiv:2304.11277) has
+every rank write only what it holds: its flat-parameter shards and its shard of the optimizer
+state, plus metadata (the world size) to refuse a mismatched load. No rank ever holds the full model.
+
+The state saved here is real: the course's FSDP engine wraps a tiny Transformer classifier (one
+unit per encoder layer) and trains two AdamW steps on simulated ranks; `rank_state` turns one
+rank's shards and Adam state into a flat dict of tensors. The learner's `save(ctx, state, dir)`
+runs on the simulated ranks (threads); their `load(ctx, dir)` then runs in *other processes*:
+`torchrun --nproc-per-node 2` starts two fresh Python processes that join a real Gloo group with
+`RankContext.from_env()`, each loads its rank's state and compares it bit for bit with what the
+threads saved. The load function travels by its source code (`inspect.getsource`), so it may use
+only its arguments and `os`, `json`, `pathlib.Path`, `torch`.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_course.checks._common import (
+    CHECK_TIMEOUT,
+    CheckFailure,
+    exception_hint,
+    not_implemented,
+    require_callable,
+    run_checked,
+)
+from fsdp_course.context import RankContext
+from fsdp_course.simulate import RankError, run_ranks
+
+__all__ = ["check_sharded_checkpoint", "compare_states", "rank_state", "trained_fsdp"]
+
+WORLD_SIZES = (1, 2, 3)
+TORCHRUN_WORLD_SIZE = 2
+TORCHRUN_TIMEOUT = 120.0  # seconds: three fresh Python processes importing torch on a busy laptop
+
+
+def rank_state(fsdp: Any, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """This rank's shards and their Adam state as one flat dict of tensors (copies)."""
+    state: dict[str, torch.Tensor] = {}
+    for i, shard in enumerate(fsdp.flat_params):
+        state[f"flat_param.{i}"] = shard.detach().clone()  # (padded_numel // N,) this rank's shard
+        for key, value in optimizer.state.get(shard, {}).items():
+            state[f"{key}.{i}"] = value.detach().clone()  # exp_avg, exp_avg_sq (shard-sized), step (scalar)
+    return state
+
+
+def trained_fsdp(ctx: RankContext, steps: int = 2) -> tuple[Any, torch.optim.Optimizer]:
+    """A tiny Transformer classifier under the course's FSDP (one unit per encoder layer), after `steps` AdamW steps."""
+    from fsdp_course.fsdp import FSDP
+    from fsdp_course.models import TransformerClassifier, TransformerConfig
+
+    model = _base_model(TransformerClassifier, TransformerConfig)
+    fsdp = FSDP(copy.deepcopy(model), ctx, wrap={nn.TransformerEncoderLayer})
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(ctx.rank)
+    for _ in range(steps):
+        tokens = torch.randint(0, 17, (4, 16), generator=g)
+        F.cross_entropy(fsdp(tokens), tokens[:, 0] % 10).backward()
+        opt.step()
+        opt.zero_grad()
+    return fsdp, opt
+
+
+_MODELS: dict[str, nn.Module] = {}  # a cache of one immutable model (every run trains a deep copy)
+_MODELS_LOCK = threading.Lock()
+
+
+def _base_model(cls: Any, config_cls: Any) -> nn.Module:
+    """Built once per process, by the first rank thread that asks, under a lock and fork_rng: threads share the
+    global RNG, so two ranks seeding and drawing from it at once would build different models."""
+    with _MODELS_LOCK:
+        if "tiny" not in _MODELS:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                _MODELS["tiny"] = cls(config_cls.tiny())
+        return _MODELS["tiny"]
+
+
+def compare_states(got: object, expected: dict[str, torch.Tensor]) -> list[str]:
+    """What differs between a loaded state and the saved one ([] if equal bit for bit, dtypes and shapes too)."""
+    if not isinstance(got, dict):
+        return [f"load returned {type(got).__name__}, not a dict of tensors"]
+    problems = []
+    missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    if missing or extra:
+        problems.append(f"keys differ: missing {missing}, unexpected {extra}")
+    for key in sorted(set(expected) & set(got)):
+        g, e = got[key], expected[key]
+        if not isinstance(g, torch.Tensor):
+            problems.append(f"{key}: {type(g).__name__}, not a tensor")
+        elif g.dtype != e.dtype or g.shape != e.shape:
+            problems.append(f"{key}: {g.dtype} {tuple(g.shape)}, saved {e.dtype} {tuple(e.shape)}")
+        elif not torch.equal(g, e):
+            problems.append(f"{key}: values differ (max difference {float((g.double() - e.double()).abs().max()):g})")
+    return problems
+
+
+_SCRIPT = '''\
+import json, os, sys
+from pathlib import Path
+
+import torch
+
+from fsdp_course import RankContext
+from fsdp_course.checks.checkpoint import compare_states
+
+{source}
+
+ctx = RankContext.from_env(timeout=60)
+try:
+    expected = torch.load(os.path.join({expected!r}, f"rank{{ctx.rank}}.pt"), weights_only=True)
+    got = {name}(ctx, {directory!r})
+    report = {{"rank": ctx.rank, "problems": compare_states(got, expected)}}
+except Exception as exc:
+    report = {{"rank": ctx.rank, "error": f"{{type(exc).__name__}}: {{exc}}"}}
+print("CHECK_RESULT " + json.dumps(report), flush=True)
+ctx.close()
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load_hint(exc: BaseException) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return "load reads the files save wrote: use the same names (one per rank, plus the metadata)"
+    if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+        return "save plain tensors (a dict of tensors) so that torch.load(..., weights_only=True) can read them"
+    return exception_hint(exc)
+
+
+def check_sharded_checkpoint(save: Callable[[RankContext, dict[str, torch.Tensor], str], Any],
+                             load: Callable[[RankContext, str], dict[str, torch.Tensor]],
+                             world_sizes: Sequence[int] = WORLD_SIZES, *, torchrun: bool = True) -> None:
+    """Check `save(ctx, state, directory)` and `load(ctx, directory) -> state` for a sharded checkpoint.
+
+    Per world size, the ranks (threads) train a tiny FSDP Transformer, `save` their `rank_state`
+    into a fresh directory, then `load` it back: every tensor must come back bit for bit (dtype,
+    shape, values), each rank must have written its own file, and `save` must end with a collective
+    (the checkpoint is complete when any rank returns). Loading on a different world size must
+    raise on every rank. Finally (unless torchrun=False) two processes started by torchrun load
+    what the threads saved at world size 2.
+    """
+    check = "check_sharded_checkpoint"
+    save_name = require_callable(check, save, "save_sharded")
+    load_name = require_callable(check, load, "load_sharded")
+    with tempfile.TemporaryDirectory(prefix="fsdp_course_ckpt_") as tmp:
+        for n in world_sizes:
+            directory = os.path.join(tmp, f"ckpt_n{n}")
+            expected_dir = os.path.join(tmp, f"expected_n{n}")
+            os.makedirs(expected_dir)
+            phase = ["training"] * n
+
+            def body(ctx: RankContext, directory: str = directory, expected_dir: str = expected_dir,
+                     phase: list = phase) -> list[str]:
+                fsdp, opt = trained_fsdp(ctx)
+                state = rank_state(fsdp, opt)
+                torch.save(state, os.path.join(expected_dir, f"rank{ctx.rank}.pt"))
+                phase[ctx.rank] = f"{save_name}"
+                ctx.ledger.clear()
+                save(ctx, {k: v.clone() for k, v in state.items()}, directory)
+                synced = bool(ctx.ledger.records)
+                ctx.barrier()  # the checker's own: every rank has returned from save before any rank loads
+                phase[ctx.rank] = f"{load_name}"
+                got = load(ctx, directory)
+                return [synced, compare_states(got, state)]
+
+            results = run_checked(check, save_name, body, n, lambda r, n=n, p=phase: f"world size {n}, rank {r} "
+                                  f"(in {p[r]})", _load_hint)
+            _check_results(check, n, results, directory)
+        if len(world_sizes) >= 1 and max(world_sizes) >= 2:
+            _check_wrong_world_size(check, load, load_name, tmp, max(world_sizes))
+        if torchrun:
+            if TORCHRUN_WORLD_SIZE not in world_sizes:
+                raise ValueError(f"torchrun loads the world-size-{TORCHRUN_WORLD_SIZE} checkpoint: keep "
+                                 f"{TORCHRUN_WORLD_SIZE} in world_sizes (or pass torchrun=False)")
+            _check_torchrun(check, load, load_name, tmp)
+    print(f"All tests in {check} passed (world sizes {', '.join(map(str, world_sizes))})")
+    print("  a tiny Transformer under FSDP (one unit per encoder layer), after 2 AdamW steps: every rank's "
+          "shards and Adam state saved and loaded back bit for bit, one file per rank")
+    if max(world_sizes) >= 2:
+        print(f"  loading the {max(world_sizes)}-rank checkpoint on {max(world_sizes) + 1} ranks raised on every rank")
+    if torchrun:
+        print(f"  {TORCHRUN_WORLD_SIZE} processes started by torchrun (RankContext.from_env, a real Gloo group) "
+              f"loaded what the threads saved, bit for bit")
+
+
+def _check_results(check: str, n: int, results: list[list[Any]], directory: str) -> None:
+    for rank, (synced, problems) in enumerate(results):
+        if problems:
+            CheckFailure(check, f"world size {n}, rank {rank}", f"the state loaded back differs from the one saved: "
+                         f"{problems[0]}", "save every tensor of the dict as it is (torch.save(state, path)) and "
+                         "load the same file back on the same rank", problems[1:6]).fail()
+        if n > 1 and not synced:
+            CheckFailure(check, f"world size {n}, rank {rank}", f"rank {rank} returned from save without any "
+                         "collective", "nothing tells a rank that the others have finished writing: end save with "
+                         "ctx.barrier(), so that the checkpoint is complete when any rank returns").fail()
+    files = [p for p in Path(directory).rglob("*") if p.is_file()]
+    if len(files) < n:
+        CheckFailure(check, f"world size {n}", f"the checkpoint directory holds {len(files)} file(s) for {n} ranks",
+                     "each rank writes its own file (e.g. rank{ctx.rank}.pt): a sharded checkpoint never gathers "
+                     "the state on one rank").fail()
+
+
+def _check_wrong_world_size(check: str, load: Callable, load_name: str, tmp: str, n: int) -> None:
+    directory = os.path.join(tmp, f"ckpt_n{n}")
+    try:
+        run_ranks(lambda ctx: load(ctx, directory), n + 1, timeout=CHECK_TIMEOUT)
+    except RankError as err:
+        if all(isinstance(e, NotImplementedError) for e in err.failures.values()):
+            raise not_implemented(load_name) from None
+        silent = sorted(set(range(n + 1)) - set(err.failures))
+        if not silent:
+            return
+        quiet = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+    else:
+        quiet = "every rank"
+    CheckFailure(check, f"a checkpoint saved by {n} ranks, loaded on {n + 1}",
+                 f"{quiet} loaded it without an error", "save the world size in the metadata; in load, raise "
+                 "(e.g. ValueError) on every rank when it differs from ctx.world_size: a sharded checkpoint is cut "
+                 "per world size").fail()
+
+
+def _check_torchrun(check: str, load: Callable, load_name: str, tmp: str) -> None:
+    n = TORCHRUN_WORLD_SIZE
+    where = f"world size {n}, loaded by torchrun"
+    try:
+        source = textwrap.dedent(inspect.getsource(load))
+    except (OSError, TypeError):
+        CheckFailure(check, where, f"the source of {load_name} cannot be found",
+                     "define load in a notebook cell or a .py file: torchrun's processes run its source").fail()
+    script = os.path.join(tmp, "load_under_torchrun.py")
+    with open(script, "w") as f:
+        f.write(_SCRIPT.format(source=source, name=load.__name__, expected=os.path.join(tmp, f"expected_n{n}"),
+                               directory=os.path.join(tmp, f"ckpt_n{n}")))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:
+        proc = subprocess.run([str(torchrun), "--nproc-per-node", str(n), "--master-addr", "127.0.0.1",
+                               "--master-port", str(_free_port()), script], capture_output=True, text=True,
+                              timeout=TORCHRUN_TIMEOUT, env=env, cwd=tmp)
+    except subprocess.TimeoutExpired:
+        CheckFailure(check, where, f"torchrun did not finish within {TORCHRUN_TIMEOUT:g} s",
+                     f"{load_name} must not wait for anything but the files").fail()
+    reports = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CHECK_RESULT "):
+            report = json.loads(line.removeprefix("CHECK_RESULT "))
+            reports[report["rank"]] = report
+    for rank in range(n):
+        report = reports.get(rank)
+        if report is None:
+            CheckFailure(check, where, f"rank {rank}'s process reported nothing (torchrun exit code {proc.returncode})",
+                         f"{load_name} runs in a fresh process: it may use only its arguments and os, json, Path, "
+                         "torch", proc.stderr.strip().splitlines()[-6:]).fail()
+        if "error" in report:
+            CheckFailure(check, where, f"rank {rank}'s process raised {report['error']}",
+                         f"{load_name} runs in a fresh process: it may use only its arguments and os, json, Path, "
+                         "torch (define any helper inside it)").fail()
+        if report["problems"]:
+            CheckFailure(check, where, f"rank {rank}'s process loaded a different state: {report['problems'][0]}",
+                         "load must read back exactly what save wrote, in any process",
+                         report["problems"][1:6]).fail()
+

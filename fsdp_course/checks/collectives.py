@@ -1,0 +1,248 @@
+"""Checkers of exercise 01: all-reduce built from reduce-scatter + all-gather, and a ring all-reduce.
+
+The first builds all-reduce from reduce-scatter + all-gather, the decomposition behind ZeRO's
+communication analysis (arXiv:1910.02054, section 7) and behind FSDP's split of one all-reduce into
+a reduce-scatter of gradients and an all-gather of parameters (arXiv:2304.11277). The second builds
+the same all-reduce from point-to-point messages around a ring (the "ring all-reduce" of Baidu's
+allreduce and of NCCL/Gloo): N - 1 steps that reduce-scatter, N - 1 steps that all-gather, each
+rank sending one chunk to its right neighbour per step. The checker watches every send and recv
+(a recording wrapper around `ctx.group`), so it can tell a ring from, say, everyone sending
+everything to rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fsdp_course.checks._common import (
+    CheckFailure,
+    compare_tensor,
+    exception_hint,
+    format_tensor,
+    require_callable,
+    require_world_sizes,
+    run_checked,
+)
+from fsdp_course.context import RankContext
+from fsdp_course.ledger import Record
+from fsdp_course.monitor import CollectiveMismatch
+
+__all__ = ["check_all_reduce", "check_ring_all_reduce"]
+
+
+# -- exercise 01: all-reduce from reduce-scatter + all-gather --------------------------------------
+ALL_REDUCE_SHAPES: tuple[tuple[int, ...], ...] = ((1,), (5,), (8,), (13,), (3, 5))
+
+
+def _all_reduce_inputs(world_size: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Per-rank inputs: positive small integers as float32, so sums are exact and ratios are defined."""
+    g = torch.Generator().manual_seed(1_000 * world_size + sum(shape) * 7 + len(shape))
+    return [torch.randint(1, 10, shape, generator=g).float() for _ in range(world_size)]
+
+
+def _all_reduce_hint(exc: BaseException) -> str:
+    if isinstance(exc, CollectiveMismatch):
+        return ("the ranks made different calls (or used different shapes): every rank must pad to the same "
+                "length and call the same collectives in the same order")
+    return exception_hint(exc)
+
+
+def check_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor],
+                     world_sizes: Sequence[int] = (1, 2, 3, 4)) -> None:
+    """Check `fn(ctx, tensor) -> tensor`: the element-wise sum over ranks, same shape and dtype.
+
+    Runs `fn` for every world size in `world_sizes` on the shapes in ALL_REDUCE_SHAPES (some do
+    not divide by the world size), compares every rank's result with the sum computed directly,
+    and checks through the ledger that it used reduce_scatter and all_gather but not all_reduce.
+    Results are checked shape by shape (1-D shapes first), so padding mistakes show up before
+    reshaping ones.
+    """
+    check = "check_all_reduce"
+    name = require_callable(check, fn, "my_all_reduce")
+    sizes = require_world_sizes(world_sizes)
+
+    inputs = {(n, shape): _all_reduce_inputs(n, shape) for n in sizes for shape in ALL_REDUCE_SHAPES}
+    outputs: dict[tuple[int, tuple[int, ...]], list[tuple[Any, list[Record]]]] = {}
+    for n in sizes:
+        current: list[tuple[int, ...]] = [ALL_REDUCE_SHAPES[0]] * n  # the case each rank is in
+
+        def body(ctx: RankContext, n: int = n, current: list = current) -> list[tuple[Any, list[Record]]]:
+            out = []
+            for shape in ALL_REDUCE_SHAPES:
+                current[ctx.rank] = shape
+                ctx.ledger.clear()
+                result = fn(ctx, inputs[n, shape][ctx.rank].clone())
+                out.append((result, list(ctx.ledger.records)))
+            return out
+
+        def where(rank: int, n: int = n, current: list = current) -> str:
+            return f"world size {n}, input shape {current[rank]}"
+
+        per_rank = run_checked(check, name, body, n, where, _all_reduce_hint)
+        for i, shape in enumerate(ALL_REDUCE_SHAPES):
+            outputs[n, shape] = [per_rank[r][i] for r in range(n)]
+
+    for shape in ALL_REDUCE_SHAPES:
+        for n in sizes:
+            _check_one_all_reduce(check, n, shape, inputs[n, shape], outputs[n, shape])
+
+    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
+    print(f"  input shapes {', '.join(map(str, ALL_REDUCE_SHAPES))}: every rank holds the exact sum")
+    print("  calls per rank: reduce_scatter and all_gather, no all_reduce")
+    n, shape = max(sizes), (13,)
+    if n > 1:
+        records = outputs[n, shape][0][1]
+        sent = {r.op: r.sent_bytes for r in records}
+        payload = next(r.payload_bytes for r in records if r.op == "all_gather")
+        both = sent["reduce_scatter"] + sent["all_gather"]
+        print(f"  traffic of rank 0 at world size {n} for a {shape} float32 tensor, padded to {payload} B "
+              f"(ring model):")
+        print(f"    reduce_scatter {sent['reduce_scatter']:g} B + all_gather {sent['all_gather']:g} B = "
+              f"{both:g} B sent = 2(N-1)/N x {payload} B, what one all_reduce sends")
+
+
+def _check_one_all_reduce(check: str, n: int, shape: tuple[int, ...], inputs: list[torch.Tensor],
+                          outputs: list[tuple[Any, list[Record]]]) -> None:
+    expected = torch.stack(inputs).sum(0)
+    padded = -(-expected.numel() // n) * n
+    where = f"world size {n}, input shape {shape}"
+    for rank, (got, records) in enumerate(outputs):
+        found = compare_tensor(expected, got, world_size=n, rank=rank, padded_numel=padded)
+        if found is not None:
+            problem, hint, details = found
+            details = [f"rank {r} input {format_tensor(x)}" for r, x in enumerate(inputs)] + details
+            CheckFailure(check, where, problem, hint, details).fail()
+        ops = [r.op for r in records]
+        if "all_reduce" in ops:
+            CheckFailure(check, where, f"rank {rank} called ctx.all_reduce (calls: {', '.join(ops)})",
+                         "build it from ctx.reduce_scatter and ctx.all_gather only").fail()
+        if "reduce_scatter" not in ops or "all_gather" not in ops:
+            CheckFailure(check, where, f"rank {rank} made the calls [{', '.join(ops)}]",
+                         "use ctx.reduce_scatter (sum the chunks), then ctx.all_gather (share them)").fail()
+
+
+# -- exercise 01b: ring all-reduce from point-to-point messages ------------------------------------
+class _RecordingGroup:
+    """Wraps a process group: send / recv are passed through and logged as (op, peer, numel)."""
+
+    def __init__(self, group: Any, log: list[tuple[str, int, int]]) -> None:
+        self._group = group
+        self._log = log
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        self._log.append(("send", dst, sum(t.numel() for t in tensors)))
+        return self._group.send(tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        self._log.append(("recv", src, sum(t.numel() for t in tensors)))
+        return self._group.recv(tensors, src, tag)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._group, name)
+
+
+RING_SHAPES: tuple[tuple[int, ...], ...] = ((13,), (3, 5), (8,), (5,), (1,))  # large first: traffic shows
+
+
+def _ring_hint(exc: BaseException) -> str:
+    text = str(exc)
+    if "Timed out waiting" in text or "timed out" in text.lower():
+        return ("a send or recv waited for a partner that never came: per step, every rank starts its send "
+                "(work = ctx.group.send([chunk], right, tag)), waits for its recv from the left, then waits for "
+                "the send; rank r sends to (r + 1) % N and receives from (r - 1) % N, with matching tags")
+    if "must be contiguous" in text or "contiguous" in text:
+        return "send and recv need contiguous tensors: use the chunks of a 1-D buffer (flat.chunk(n))"
+    return exception_hint(exc)
+
+
+def check_ring_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor],
+                          world_sizes: Sequence[int] = (1, 2, 3, 4)) -> None:
+    """Check `fn(ctx, tensor) -> tensor`: the element-wise sum over ranks, built from send / recv around a ring.
+
+    Besides the values (as in `check_all_reduce`), checks that no collective was called, that rank r
+    only sends to (r + 1) % N and only receives from (r - 1) % N, and that it sends 2 (N - 1)
+    messages of one chunk (padded numel / N) each: the ring's traffic, what the ring model charges an
+    all-reduce.
+    """
+    check = "check_ring_all_reduce"
+    name = require_callable(check, fn, "ring_all_reduce")
+    sizes = require_world_sizes(world_sizes)
+    inputs = {(n, shape): _all_reduce_inputs(n, shape) for n in sizes for shape in RING_SHAPES}
+    for n in sizes:
+        current: list[tuple[int, ...]] = [RING_SHAPES[0]] * n
+
+        def body(ctx: RankContext, n: int = n, current: list = current) -> list[tuple[Any, list, list[str]]]:
+            out = []
+            group = ctx.group
+            try:
+                for shape in RING_SHAPES:
+                    current[ctx.rank] = shape
+                    ctx.ledger.clear()
+                    log: list[tuple[str, int, int]] = []
+                    ctx.group = _RecordingGroup(group, log)
+                    result = fn(ctx, inputs[n, shape][ctx.rank].clone())
+                    ctx.group = group
+                    out.append((result, log, [r.op for r in ctx.ledger.records]))
+            finally:
+                ctx.group = group
+            return out
+
+        def where(rank: int, n: int = n, current: list = current) -> str:
+            return f"world size {n}, input shape {current[rank]}"
+
+        per_rank = run_checked(check, name, body, n, where, _ring_hint)
+        for i, shape in enumerate(RING_SHAPES):
+            _check_one_ring(check, n, shape, inputs[n, shape], [per_rank[r][i] for r in range(n)])
+
+    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
+    print(f"  input shapes {', '.join(map(str, RING_SHAPES))}: every rank holds the exact sum")
+    print("  rank r sends only to (r + 1) % N and receives only from (r - 1) % N; no collectives")
+    n = max(sizes)
+    if n > 1:
+        padded = -(-13 // n) * n
+        chunk_bytes = padded // n * 4
+        print(f"  traffic of rank 0 at world size {n} for a (13,) float32 tensor, padded to {padded * 4} B:")
+        print(f"    2(N-1) = {2 * (n - 1)} messages of one {chunk_bytes} B chunk = {2 * (n - 1) * chunk_bytes} B sent "
+              f"= 2(N-1)/N x {padded * 4} B, the ring model's all_reduce")
+
+
+def _check_one_ring(check: str, n: int, shape: tuple[int, ...], inputs: list[torch.Tensor],
+                    outputs: list[tuple[Any, list[tuple[str, int, int]], list[str]]]) -> None:
+    expected = torch.stack(inputs).sum(0)
+    padded = -(-expected.numel() // n) * n
+    chunk = padded // n
+    where = f"world size {n}, input shape {shape}"
+    for rank, (got, log, ops) in enumerate(outputs):
+        if ops:
+            CheckFailure(check, where, f"rank {rank} called the collective(s) {', '.join(ops)}",
+                         "build it from ctx.group.send and ctx.group.recv only: no ctx.all_reduce, "
+                         "ctx.reduce_scatter, ctx.all_gather or ctx.broadcast").fail()
+        right, left = (rank + 1) % n, (rank - 1) % n
+        sends = [(peer, k) for op, peer, k in log if op == "send"]
+        recvs = [(peer, k) for op, peer, k in log if op == "recv"]
+        wrong = [f"{op} {'to' if op == 'send' else 'from'} rank {peer}" for op, peer, _ in log
+                 if (op == "send" and peer != right) or (op == "recv" and peer != left)]
+        if wrong:
+            CheckFailure(check, where, f"rank {rank} made {wrong[0]}",
+                         f"in a ring, rank r sends only to its right neighbour (r + 1) % N (here {right}) and "
+                         f"receives only from its left neighbour (r - 1) % N (here {left})").fail()
+        sent = sum(k for _, k in sends)
+        if len(sends) != 2 * (n - 1) or sent != 2 * (n - 1) * chunk:
+            expect = f"2(N-1) = {2 * (n - 1)} sends of one chunk of {chunk} elements ({2 * (n - 1) * chunk} in all)"
+            hint = "a ring all-reduce is N - 1 steps of reduce-scatter, then N - 1 steps of all-gather, one chunk each"
+            if any(k != chunk for _, k in sends):
+                hint = ("each step sends one chunk (padded numel / N elements), not the whole tensor: N - 1 steps to "
+                        "reduce-scatter, then N - 1 steps to all-gather")
+            elif len(sends) < 2 * (n - 1):
+                hint = ("too few messages: after the N - 1 reduce-scatter steps each rank holds one finished chunk; "
+                        "N - 1 more steps pass the finished chunks round the ring (the all-gather half)")
+            CheckFailure(check, where, f"rank {rank} made {len(sends)} sends of {sent} elements in all, "
+                         f"{len(recvs)} recvs", hint, [f"expected {expect}"]).fail()
+        found = compare_tensor(expected, got, world_size=n, rank=rank, padded_numel=padded)
+        if found is not None:
+            problem, hint, details = found
+            details = [f"rank {r} input {format_tensor(x)}" for r, x in enumerate(inputs)] + details
+            CheckFailure(check, where, problem, hint, details).fail()

@@ -1,0 +1,203 @@
+"""Checkers of exercise 02: DDP by hand, broadcast the initial parameters and average gradients with hooks.
+
+Data parallelism (ZeRO, arXiv:1910.02054, section 2) keeps a full replica on every rank; two things
+keep the replicas equal: one broadcast of rank 0's parameters at the start (the article does this
+too), and an average of the gradients in every backward (PyTorch's DDP reduces them from autograd
+hooks while backward is still running). Each rank here starts from a *different* random model, so
+a missing broadcast shows, and trains on its slice of every global batch; the result must equal
+one process training on the whole batch, step by step.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_course.checks._common import (
+    CheckFailure,
+    exception_hint,
+    format_tensor,
+    require_callable,
+    require_world_sizes,
+    run_checked,
+    scale_ratio,
+)
+from fsdp_course.checks._training import (
+    close,
+    global_batches,
+    local_grads,
+    local_slice,
+    max_rel_diff,
+    reference_run,
+    seeded_mlp,
+)
+from fsdp_course.context import RankContext
+
+__all__ = ["check_broadcast_parameters", "check_ddp"]
+
+SIZES = (6, 5, 3)  # Linear(6, 5) -> Tanh -> Linear(5, 3): parameters 0.weight, 0.bias, 2.weight, 2.bias
+STEPS, GLOBAL_BATCH, LR = 3, 12, 0.5  # 12 splits evenly over 1, 2, 3 and 4 ranks
+
+
+def _rank_models(world_size: int) -> list[nn.Module]:
+    """A different random model per rank (seed 100 + rank): only a broadcast makes them equal."""
+    return [seeded_mlp(SIZES, seed=100 + r) for r in range(world_size)]
+
+
+def _broadcast_problem(rank: int, name: str, got: torch.Tensor, models: list[nn.Module]) -> tuple[str, str]:
+    """(problem, hint) for a parameter that does not hold rank 0's initial values after the broadcast."""
+    originals = [dict(m.named_parameters())[name].detach() for m in models]
+    problem = f"rank {rank}'s `{name}` differs from rank 0's initial value (max difference " \
+              f"{float((got - originals[0]).abs().max()):.4g})"
+    if close(got, originals[rank]):
+        return problem, (f"rank {rank}'s `{name}` still holds its own initial values: broadcast every parameter "
+                         "from rank 0, in place (for p in model.parameters(): ctx.broadcast(p.data, src=0))")
+    for k, original in enumerate(originals):
+        if k and close(got, original):
+            return problem, f"rank {rank}'s `{name}` holds rank {k}'s values: broadcast from src=0"
+    if close(got, torch.stack(originals).mean(0)):
+        return problem, ("that is the average of the ranks' values: broadcast rank 0's values (ctx.broadcast), "
+                         "do not all-reduce them")
+    return problem, "broadcast copies rank 0's tensor into the same tensor on every rank: ctx.broadcast(p.data, src=0)"
+
+
+def _run_broadcast(check: str, name: str, fn: Callable[[RankContext, nn.Module], Any], n: int,
+                   hooks: Callable[[RankContext, nn.Module], Any] | None = None) -> list[Any]:
+    models = _rank_models(n)
+
+    def body(ctx: RankContext) -> list[tuple[str, torch.Tensor, bool]]:
+        model = copy.deepcopy(models[ctx.rank])
+        before = {n_: id(p) for n_, p in model.named_parameters()}
+        fn(ctx, model)
+        return [(n_, p.detach().clone(), id(p) == before.get(n_)) for n_, p in model.named_parameters()]
+
+    per_rank = run_checked(check, name, body, n, lambda r: f"world size {n}, rank {r}", exception_hint)
+    for rank, params in enumerate(per_rank):
+        names = [n_ for n_, _, _ in params]
+        expected = [n_ for n_, _ in models[0].named_parameters()]
+        if names != expected:
+            CheckFailure(check, f"world size {n}", f"rank {rank}'s model has parameters {names}, expected {expected}",
+                         "change the parameters' values in place; do not add, remove or rename them").fail()
+        for pname, got, same_object in params:
+            if not same_object:
+                CheckFailure(check, f"world size {n}", f"rank {rank}'s `{pname}` is a new tensor object",
+                             "copy into the existing parameters in place (ctx.broadcast(p.data, src=0)): an optimizer "
+                             "built on model.parameters() still holds the old ones").fail()
+            if not close(got, dict(models[0].named_parameters())[pname].detach(), 0.0):
+                problem, hint = _broadcast_problem(rank, pname, got, models)
+                CheckFailure(check, f"world size {n}", problem, hint).fail()
+    return per_rank
+
+
+def check_broadcast_parameters(fn: Callable[[RankContext, nn.Module], Any],
+                               world_sizes: Sequence[int] = (1, 2, 3, 4)) -> None:
+    """Check `fn(ctx, model)`: afterwards every rank's parameters equal rank 0's, bit for bit, in place.
+
+    Every rank starts from a different random Linear(6, 5) -> Tanh -> Linear(5, 3).
+    """
+    check = "check_broadcast_parameters"
+    name = require_callable(check, fn, "broadcast_parameters")
+    sizes = require_world_sizes(world_sizes)
+    for n in sizes:
+        _run_broadcast(check, name, fn, n)
+    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
+    print("  every rank started from its own random model; after the call all hold rank 0's values, "
+          "in the same parameter objects")
+
+
+def check_ddp(broadcast_parameters: Callable[[RankContext, nn.Module], Any],
+              add_gradient_hooks: Callable[[RankContext, nn.Module], Any],
+              world_sizes: Sequence[int] = (1, 2, 3, 4)) -> None:
+    """Check DDP training: N ranks on slices of each global batch equal one process on the whole batch.
+
+    Each rank deep-copies its own random model, calls `broadcast_parameters(ctx, model)` and
+    `add_gradient_hooks(ctx, model)`, then trains 3 steps of SGD on its slice of 12 samples. After
+    every backward each rank's gradients must equal one process's gradients on all 12 samples, and
+    after every step its parameters must equal that process's parameters.
+    """
+    check = "check_ddp"
+    require_callable(check, broadcast_parameters, "broadcast_parameters")
+    hooks_name = require_callable(check, add_gradient_hooks, "add_gradient_hooks")
+    sizes = require_world_sizes(world_sizes)
+    batches = global_batches(STEPS, GLOBAL_BATCH, SIZES[0], SIZES[-1], seed=7)
+    base = _rank_models(1)[0]
+    reference = reference_run(base, batches, LR)
+    for n in sizes:
+        models = _rank_models(n)
+        current = [0] * n
+
+        def body(ctx: RankContext, n: int = n, models: list = models, current: list = current) -> list[Any]:
+            model = copy.deepcopy(models[ctx.rank])
+            broadcast_parameters(ctx, model)
+            start = {k: p.detach().clone() for k, p in model.named_parameters()}
+            add_gradient_hooks(ctx, model)
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            steps = []
+            for step, batch in enumerate(batches, 1):
+                current[ctx.rank] = step
+                x, y = local_slice(batch, ctx.rank, n)
+                F.cross_entropy(model(x), y).backward()
+                grads = {k: None if p.grad is None else p.grad.detach().clone() for k, p in model.named_parameters()}
+                opt.step()
+                opt.zero_grad()
+                steps.append((grads, {k: p.detach().clone() for k, p in model.named_parameters()}))
+            return [start, steps]
+
+        per_rank = run_checked(check, hooks_name, body, n,
+                               lambda r, n=n, c=current: f"world size {n}, rank {r}, step {c[r]}", exception_hint)
+        for rank, (start, _) in enumerate(per_rank):
+            for pname, value in start.items():
+                if not close(value, dict(base.named_parameters())[pname].detach(), 0.0):
+                    problem, hint = _broadcast_problem(rank, pname, value, models)
+                    CheckFailure(check, f"world size {n}, before training", problem,
+                                 hint + " (check_broadcast_parameters shows more)").fail()
+        for step in range(1, STEPS + 1):
+            for rank, (_, steps) in enumerate(per_rank):
+                grads, params = steps[step - 1]
+                _compare_step(check, n, rank, step, grads, params, reference[step - 1], base, batches)
+    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
+    print(f"  {STEPS} SGD steps, global batch {GLOBAL_BATCH} split over the ranks: every rank's gradients and "
+          "parameters equal one process's, at every step")
+
+
+def _compare_step(check: str, n: int, rank: int, step: int, grads: dict[str, torch.Tensor | None],
+                  params: dict[str, torch.Tensor], ref: Any, base: nn.Module, batches: list) -> None:
+    where = f"world size {n}, rank {rank}, step {step}"
+    for pname, expected in ref.grads.items():
+        got = grads.get(pname)
+        if got is None:
+            CheckFailure(check, where, f"rank {rank}'s `{pname}` has no gradient after backward",
+                         "let autograd fill p.grad: a hook averages it, it does not replace it with None").fail()
+        if close(got, expected):
+            continue
+        details = [f"one process {format_tensor(expected, 8)}", f"rank {rank}    {format_tensor(got, 8)}",
+                   f"max difference {max_rel_diff(got, expected):.3g} relative to the largest value"]
+        c = scale_ratio(got, expected, rtol=1e-3)
+        hint = "compare with one process on the whole batch: the average over ranks of the slices' gradients"
+        if c is not None and n > 1 and abs(c / n - 1) < 1e-3:
+            hint = (f"rank {rank}'s gradient is {n}x the one-process gradient: the hooks summed it over the ranks; "
+                    "average it (op='mean', or divide by ctx.world_size)")
+        elif c is not None and n > 1 and abs(c * n - 1) < 1e-3:
+            hint = (f"rank {rank}'s gradient is {n}x too small: it was averaged twice (op='mean' and a division "
+                    "by the world size?)")
+        elif step == 1 and n > 1:
+            local = local_grads(base, local_slice(batches[0], rank, n))[pname]
+            if close(got, local):
+                hint = (f"rank {rank}'s gradient is its own slice's gradient, not averaged over the ranks: register "
+                        "a hook on every parameter that all-reduces its gradient with op='mean' "
+                        "(p.register_hook(...) or p.register_post_accumulate_grad_hook(...))")
+        CheckFailure(check, where, f"rank {rank}'s gradient of `{pname}` differs from one process's", hint,
+                     details).fail()
+    for pname, expected in ref.params.items():
+        got = params[pname]
+        if not close(got, expected):
+            CheckFailure(check, where, f"rank {rank}'s `{pname}` after the step differs from one process's "
+                         f"(max difference {max_rel_diff(got, expected):.3g} relative)",
+                         "the gradients matched, so the step did not use them: do not change p.grad or the "
+                         "parameters after backward").fail()
+

@@ -1,0 +1,176 @@
+"""Checker of exercise 06: the FSDP unit, checked by training equivalence against one process.
+
+The life cycle of one unit (PyTorch FSDP, arXiv:2304.11277, section 3; the names follow FSDP2):
+pre_forward gathers the flat parameter (unshard), post_forward frees it (reshard), pre_backward
+gathers it again because the unit's backward needs its weights, post_backward reduce-scatters the
+gradient so each rank keeps the average of its own chunk, and frees the full buffers again.
+
+The learner's class is constructed as `Unit(module, ctx)` on each Linear layer of a small MLP
+(three units, world sizes 1 to 4, so 3 ranks need padding); the checker trains 3 SGD steps on
+each rank's slice of the global batches and compares with one process on the whole batches:
+each rank's gradient chunk after every backward, its parameter shard after every step. It also
+watches memory: after a unit's forward and after the backward, its gathered buffer must be freed.
+The unit must expose `shard` (this rank's chunk, an `nn.Parameter`), `full` (the gathered buffer)
+and `layout` (its `FlatParamLayout`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_course.checks._common import (
+    CheckFailure,
+    exception_hint,
+    format_tensor,
+    require_callable,
+    require_world_sizes,
+    run_checked,
+    scale_ratio,
+)
+from fsdp_course.checks._training import close, global_batches, local_slice, max_rel_diff, reference_run, seeded_mlp
+from fsdp_course.context import RankContext
+from fsdp_course.flat_param import FlatParamLayout
+
+__all__ = ["check_fsdp_unit"]
+
+SIZES = (5, 7, 4, 3)  # Linear(5, 7) 42, Linear(7, 4) 32, Linear(4, 3) 15 parameters: units 0, 2, 4
+UNIT_INDICES = (0, 2, 4)
+STEPS, GLOBAL_BATCH, LR = 3, 12, 0.5
+
+
+def _unit_hint(exc: BaseException) -> str:
+    text = str(exc)
+    if "out of bounds for storage of size 0" in text:
+        return ("a unit's backward ran while its parameters were freed: post_forward must make backward call "
+                "pre_backward first (output.register_hook(lambda grad: self.pre_backward())), and pre_backward must "
+                "gather them again (self.unshard())")
+    if "modified inplace" in text or "modified by an inplace operation" in text:
+        return ("gather into self.full.data, not self.full: self.full is a leaf that requires grad (its views are "
+                "saved for backward), so autograd forbids writing into it in place")
+    if "attempting to assign a gradient of size" in text:
+        return ("self.shard.grad must have the shard's shape (padded_numel // N,): reduce-scatter self.full.grad "
+                "(op='mean') so that each rank keeps its own chunk")
+    if "does not require grad" in text or "grad_fn" in text:
+        return "in pre_forward, point the module at views of self.full (self.layout.unflatten(self.full))"
+    if "has no attribute 'weight'" in text or "has no attribute 'bias'" in text:
+        return ("the module lost its parameters when the unit was built: pre_forward must set them "
+                "(self.set_params(self.layout.unflatten(self.full)))")
+    if "'NoneType'" in text and "grad" in text:
+        return "self.full.grad holds the unit's gradient when post_backward runs: reduce-scatter it"
+    return exception_hint(exc)
+
+
+def _reference_chunks(model: nn.Module, n: int) -> list[FlatParamLayout]:
+    return [FlatParamLayout.build(list(model[i].named_parameters()), n) for i in UNIT_INDICES]
+
+
+def check_fsdp_unit(unit_class: Callable[[nn.Module, RankContext], Any],
+                    world_sizes: Sequence[int] = (1, 2, 3, 4)) -> None:
+    """Check `unit_class(module, ctx)`: three units over an MLP train exactly like one process.
+
+    Per world size: every rank deep-copies the same model, wraps each Linear in a unit, trains
+    3 SGD steps (optimizer over the units' `shard`s) on its slice of 12 samples; compared with one
+    process on all 12 samples: the chunk of the averaged gradient each rank holds in `shard.grad`,
+    and its `shard` after each step. Also: after each unit's forward and after the backward,
+    `unit.full` holds no memory, and no `full.grad` is left.
+    """
+    check = "check_fsdp_unit"
+    name = require_callable(check, unit_class, "FSDPUnit")
+    sizes = require_world_sizes(world_sizes)
+    model = seeded_mlp(SIZES, seed=11)
+    batches = global_batches(STEPS, GLOBAL_BATCH, SIZES[0], SIZES[-1], seed=12)
+    reference = reference_run(model, batches, LR)
+    for n in sizes:
+        state = [(0, "building the units")] * n
+
+        def body(ctx: RankContext, n: int = n, state: list = state) -> list[Any]:
+            m = copy.deepcopy(model)
+            state[ctx.rank] = (0, "building the units")
+            units = [unit_class(m[i], ctx) for i in UNIT_INDICES]
+            freed_after_forward: list[tuple[int, int]] = []  # (unit, bytes still held)
+            for k, i in enumerate(UNIT_INDICES):  # runs after the unit's own post_forward hook
+                m[i].register_forward_hook(
+                    lambda mod, args, out, u=units[k], k=k: freed_after_forward.append(
+                        (k, u.full.untyped_storage().nbytes())))
+            opt = torch.optim.SGD([u.shard for u in units], lr=LR)
+            steps = []
+            for step, batch in enumerate(batches, 1):
+                x, y = local_slice(batch, ctx.rank, n)
+                state[ctx.rank] = (step, "forward")
+                freed_after_forward.clear()
+                loss = F.cross_entropy(m(x), y)
+                state[ctx.rank] = (step, "backward")
+                loss.backward()
+                after_backward = [(u.full.untyped_storage().nbytes(), u.full.grad is not None) for u in units]
+                grads = [None if u.shard.grad is None else u.shard.grad.detach().clone() for u in units]
+                state[ctx.rank] = (step, "optimizer step")
+                opt.step()
+                opt.zero_grad()
+                steps.append((list(freed_after_forward), after_backward, grads,
+                              [u.shard.detach().clone() for u in units]))
+            return steps
+
+        def where(r: int, n: int = n, state: list = state) -> str:
+            return f"world size {n}, rank {r}, step {state[r][0]} ({state[r][1]})"
+
+        per_rank = run_checked(check, name, body, n, where, _unit_hint)
+        layouts = _reference_chunks(model, n)
+        for step in range(STEPS):
+            for rank in range(n):
+                _compare(check, n, rank, step + 1, per_rank[rank][step], reference[step], layouts)
+    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
+    print(f"  3 units (Linear {SIZES[0]}->{SIZES[1]}->{SIZES[2]}->{SIZES[3]}), {STEPS} SGD steps, global batch "
+          f"{GLOBAL_BATCH}: every rank's gradient chunk and parameter shard equal one process's, at every step")
+    print("  after each unit's forward and after backward, the gathered parameters were freed")
+
+
+def _compare(check: str, n: int, rank: int, step: int, record: Any, ref: Any, layouts: list[FlatParamLayout]) -> None:
+    freed_after_forward, after_backward, grads, shards = record
+    where = f"world size {n}, rank {rank}, step {step}"
+    for k, held in freed_after_forward:
+        if held:
+            CheckFailure(check, where, f"after its forward, unit {k} still holds its gathered parameters ({held} B)",
+                         "free them in post_forward: self.reshard() (self.full.untyped_storage().resize_(0))").fail()
+    for k, (held, has_grad) in enumerate(after_backward):
+        if has_grad:
+            CheckFailure(check, where, f"after backward, unit {k}'s full gradient (self.full.grad) is still alive",
+                         "after the reduce-scatter, drop it: self.full.grad = None (only the chunk is kept)").fail()
+        if held:
+            CheckFailure(check, where, f"after backward, unit {k} still holds its gathered parameters ({held} B)",
+                         "free them at the end of post_backward: self.reshard()").fail()
+    for k, layout in enumerate(layouts):
+        infos = layout.infos
+        full_grad = layout.flatten([ref.grads[f"{UNIT_INDICES[k]}.{i.name}"] for i in infos])
+        expected = layout.shard(full_grad, rank)
+        got = grads[k]
+        if got is None:
+            CheckFailure(check, where, f"unit {k}'s shard has no gradient after backward",
+                         "in post_backward, reduce-scatter self.full.grad (op='mean') into self.shard.grad").fail()
+        details = [f"expected {format_tensor(expected, 8)}", f"got      {format_tensor(got, 8)}"]
+        if tuple(got.shape) != tuple(expected.shape):
+            hint = (f"shard.grad must have the shard's shape ({layout.shard_numel},): reduce-scatter the full "
+                    "gradient, so each rank keeps its chunk")
+            CheckFailure(check, where, f"unit {k}'s shard.grad has shape {tuple(got.shape)}", hint, details).fail()
+        if not close(got, expected):
+            c = scale_ratio(got, expected, rtol=1e-3)
+            hint = ("the averaged gradient's chunk r: ctx.reduce_scatter(self.full.grad, op='mean'), "
+                    "with the forward and backward both using the gathered parameters")
+            if c is not None and n > 1 and abs(c / n - 1) < 1e-3:
+                hint = (f"rank {rank}'s gradient chunk is {n}x too large: did you average over the world size "
+                        "(op='mean')?")
+            elif c is not None and n > 1 and abs(c * n - 1) < 1e-3:
+                hint = f"rank {rank}'s gradient chunk is {n}x too small: it was averaged twice"
+            details.append(f"max difference {max_rel_diff(got, expected):.3g} relative to the largest value")
+            CheckFailure(check, where, f"unit {k}'s gradient chunk differs from one process's", hint, details).fail()
+        expected_shard = layout.shard(layout.flatten([ref.params[f"{UNIT_INDICES[k]}.{i.name}"] for i in infos]), rank)
+        if not close(shards[k], expected_shard):
+            CheckFailure(check, where, f"unit {k}'s parameter shard after the step differs from one process's",
+                         "the optimizer steps self.shard: keep the shard an nn.Parameter, and gather from it",
+                         [f"expected {format_tensor(expected_shard, 8)}", f"got      {format_tensor(shards[k], 8)}"]
+                         ).fail()

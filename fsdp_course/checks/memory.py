@@ -1,0 +1,149 @@
+"""Checker of exercise 03: a ZeRO memory calculator, against the formulas and against measured bytes.
+
+ZeRO (arXiv:1910.02054, section 5.1, figure 1) counts the model states of mixed-precision Adam; the
+course trains in fp32, so per parameter: 4 bytes of parameter, 4 of gradient and K = 8 of Adam
+state (momentum and variance). Stage 0 (DDP) replicates all three, stage 1 shards the optimizer
+state over the N ranks, stage 2 also the gradients, stage 3 (FSDP) also the parameters:
+16 Psi, 8 Psi + 8 Psi/N, 4 Psi + 12 Psi/N, 16 Psi/N bytes per rank.
+
+The learner's numbers are compared with `fsdp_course.memory.zero_formula`, then with what the
+course's engines (DDP, ZeRO-1, ZeRO-2, FSDP) really hold after one AdamW step, measured from the
+live tensor storages (`fsdp_course.memory.measure`) on simulated ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_course.checks._common import CHECK_TIMEOUT, CheckFailure, call_learner, require_callable
+from fsdp_course.checks._training import global_batches, local_slice, seeded_mlp
+from fsdp_course.context import RankContext
+from fsdp_course.memory import measure, zero_formula
+from fsdp_course.simulate import run_ranks
+
+__all__ = ["check_zero_memory", "measure_stages"]
+
+KEYS = ("params", "grads", "optimizer", "total")
+STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}
+SHARDED = {"optimizer": 1, "grads": 2, "params": 3}  # the stage from which each is sharded
+FORMULA_CASES = ((1_000, 1), (1_000, 4), (12_344, 2), (29_164_304, 8))  # (numel, world size)
+MEASURED_SIZES = (16, 16, 16, 8)  # 680 parameters: every layer's numel divides by 8, so no padding
+MEASURE_WORLD_SIZES = (2, 4)
+MEASURE_SLACK = 64  # bytes: Adam's `step` counters (one 4-byte scalar per parameter tensor)
+
+
+def measure_stages(world_size: int) -> dict[int, dict[str, int]]:
+    """Bytes per category on rank 0 after one AdamW step, per stage, measured on `world_size` simulated ranks."""
+    from fsdp_course.ddp import DDP
+    from fsdp_course.fsdp import FSDP
+    from fsdp_course.zero import ZeRO1, ZeRO2
+
+    model = seeded_mlp(MEASURED_SIZES, seed=3)
+    batch = global_batches(1, 4 * world_size, MEASURED_SIZES[0], MEASURED_SIZES[-1], seed=5)[0]
+
+    def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-3)
+
+    def body(ctx: RankContext) -> dict[int, dict[str, int]]:
+        x, y = local_slice(batch, ctx.rank, ctx.world_size)
+        out = {}
+        for stage in range(4):
+            m = copy.deepcopy(model)
+            if stage == 0:
+                engine: Any = DDP(m, ctx)
+                opt: Any = adam(list(engine.parameters()))
+            elif stage in (1, 2):
+                engine = (ZeRO1 if stage == 1 else ZeRO2)(m, ctx, adam)
+                opt = None  # the engine lists its own optimizer's state
+            else:
+                engine = FSDP(m, ctx)
+                opt = adam(list(engine.parameters()))
+            F.cross_entropy(engine(x), y).backward()
+            (opt or engine).step()
+            snap = measure(engine, opt)
+            out[stage] = {
+                "params": sum(snap.get(k, 0) for k in ("params", "sharded_params", "gathered_params")),
+                "grads": snap.get("grads", 0) + snap.get("sharded_grads", 0),
+                "optimizer": snap.get("optimizer", 0),
+            }
+            out[stage]["total"] = sum(out[stage].values())
+        return out
+
+    return run_ranks(body, world_size, timeout=CHECK_TIMEOUT)[0]
+
+
+def _hint(key: str, stage: int, n: int, got: float, expected: float) -> str:
+    if key == "total":
+        return "total is params + grads + optimizer"
+    shared = stage >= SHARDED[key]
+    what = {"params": "parameters", "grads": "gradients", "optimizer": "Adam state"}[key]
+    if n > 1 and abs(got - expected * n) < 1e-6 * expected * n and shared:
+        return (f"{STAGE_NAMES[stage]} shards the {what}: each rank keeps 1/N of them; divide by the world size "
+                f"(stage {SHARDED[key]} and above)")
+    if n > 1 and abs(got * n - expected) < 1e-6 * expected and not shared:
+        return (f"{STAGE_NAMES[stage]} does not shard the {what} yet: stage 1 shards the optimizer state, stage 2 "
+                "also the gradients, stage 3 also the parameters")
+    if key == "optimizer" and abs(got * 2 - expected) < 1e-6 * expected:
+        return "Adam keeps two fp32 tensors per parameter (momentum and variance): 8 bytes per parameter, not 4"
+    if expected and abs(got * 4 - expected) < 1e-6 * expected:
+        return "those are elements, not bytes: one fp32 value is 4 bytes"
+    return (f"per parameter: 4 bytes of {what if key != 'optimizer' else 'parameter'} (fp32), 4 of gradient, 8 of Adam "
+            "state; divide what the stage shards by the world size")
+
+
+def check_zero_memory(fn: Callable[[int, int, int], dict[str, float]]) -> None:
+    """Check `fn(numel, world_size, stage) -> {"params", "grads", "optimizer", "total"}` in bytes per rank.
+
+    fp32 training with Adam; stage 0 = DDP, 1, 2, 3 = ZeRO stages (3 is FSDP). Compared first with
+    `zero_formula` on the cases in FORMULA_CASES, then with the bytes measured on simulated ranks
+    (world sizes 2 and 4) after one AdamW step of DDP, ZeRO-1, ZeRO-2 and FSDP.
+    """
+    check = "check_zero_memory"
+    name = require_callable(check, fn, "zero_memory")
+    for numel, n in FORMULA_CASES:
+        for stage in range(4):
+            where = f"numel {numel:,}, world size {n}, stage {stage} ({STAGE_NAMES[stage]})"
+            got = call_learner(check, name, fn, numel, n, stage, where=where)
+            expected = zero_formula(numel, n, stage)
+            _compare(check, where, got, expected, stage, n)
+    rows = []
+    for n in MEASURE_WORLD_SIZES:
+        measured = measure_stages(n)
+        numel = sum(a * b + b for a, b in zip(MEASURED_SIZES[:-1], MEASURED_SIZES[1:], strict=True))
+        for stage in range(4):
+            where = f"measured: {STAGE_NAMES[stage]}, {numel} parameters, world size {n}, rank 0"
+            got = call_learner(check, name, fn, numel, n, stage, where=where)
+            for key in ("params", "grads", "optimizer"):
+                if abs(float(got[key]) - measured[stage][key]) > MEASURE_SLACK:
+                    CheckFailure(check, where, f"{key}: your formula says {float(got[key]):,.0f} B, rank 0 holds "
+                                 f"{measured[stage][key]:,} B", _hint(key, stage, n, float(got[key]),
+                                                                       measured[stage][key])).fail()
+            rows.append((STAGE_NAMES[stage], n, float(got["total"]), measured[stage]["total"]))
+    print(f"All tests in {check} passed (world sizes {', '.join(str(n) for n in sorted({n for _, n in FORMULA_CASES}))}"
+          f" against zero_formula; {', '.join(map(str, MEASURE_WORLD_SIZES))} against measured bytes)")
+    print(f"  measured after one AdamW step, {numel} parameters, rank 0 (params + grads + Adam state):")
+    print(f"    {'stage':<12} {'N':>2} {'your formula B':>15} {'measured B':>11}")
+    for stage_name, n, formula, measured_total in rows:
+        print(f"    {stage_name:<12} {n:>2} {formula:>15,.0f} {measured_total:>11,}")
+    print("  (measured includes Adam's step counters, 4 B per parameter tensor)")
+
+
+def _compare(check: str, where: str, got: Any, expected: dict[str, float], stage: int, n: int) -> None:
+    if not isinstance(got, dict) or any(k not in got for k in KEYS):
+        CheckFailure(check, where, f"returned {type(got).__name__} {got!r:.120}",
+                     f"return a dict with the keys {', '.join(map(repr, KEYS))} (bytes per rank)").fail()
+    for key in KEYS:
+        value = got[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            CheckFailure(check, where, f"{key} is {type(value).__name__}, not a number",
+                         "return plain numbers of bytes (int or float)").fail()
+        if abs(float(value) - expected[key]) > 1e-6 * max(expected[key], 1.0):
+            CheckFailure(check, where, f"{key}: got {float(value):,.0f} B, expected {expected[key]:,.0f} B",
+                         _hint(key, stage, n, float(value), expected[key]),
+                         [f"expected {', '.join(f'{k} {expected[k]:,.0f}' for k in KEYS)}"]).fail()

@@ -1,0 +1,77 @@
+"""The `fsdp-course` command: `grade` a class's notebooks, regenerate or `check` the exercises.
+
+    fsdp-course grade SUBMISSIONS --out grades.csv [--timeout 180] [--jobs 2] [--feedback DIR]
+    fsdp-course exercises generate|check
+
+`grade` runs students' code: see grading.py (and the README) for what it isolates and what it does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["default_solutions", "main"]
+
+
+def default_solutions() -> Path:
+    """solutions/ in the current folder, else the one beside this package (a checkout installed with -e)."""
+    here = Path("solutions")
+    if here.is_dir():
+        return here
+    return Path(__file__).resolve().parents[1] / "solutions"
+
+
+def _positive(kind: type) -> object:
+    def parse(text: str) -> object:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fsdp-course", description="The fsdp-course command line.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    grade = sub.add_parser(
+        "grade", help="grade a folder of submitted exercise notebooks",
+        description="Grade SUBMISSIONS/<student>/<NN_topic>.ipynb with nbgrader's preprocessors: the instructor's "
+                    "checker cells are restored, each notebook runs in a fresh kernel in a temporary folder with a "
+                    "time limit. WARNING: this runs the students' code with your permissions; grade untrusted "
+                    "submissions inside a container or a VM.")
+    grade.add_argument("submissions", type=Path, help="a folder with one folder per student")
+    grade.add_argument("--out", type=Path, required=True, help="the CSV to write (one row per student)")
+    grade.add_argument("--feedback", type=Path, default=None,
+                       help="folder for one feedback file per student (default: <out>_feedback beside the CSV)")
+    grade.add_argument("--solutions", type=Path, default=None, help="the instructor's notebooks (default: solutions/)")
+    grade.add_argument("--timeout", type=_positive(float), default=180.0,
+                       help="seconds for all cells of one notebook (default 180)")
+    grade.add_argument("--jobs", type=_positive(int), default=max(1, min(4, (os.cpu_count() or 2) // 2)),
+                       help="notebooks graded at once (default: half the cores, at most 4)")
+    exercises = sub.add_parser("exercises", help="regenerate exercises/ from solutions/, or check they are in sync")
+    exercises.add_argument("action", choices=("generate", "check"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if args.command == "grade":
+        from fsdp_course import grading  # nbgrader is imported only when grading
+
+        args.solutions = args.solutions or default_solutions()
+        try:
+            return grading.run(args)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            print(f"fsdp-course grade: {exc}", file=sys.stderr)
+            return 2
+    from fsdp_course import exercises
+
+    return exercises.main([args.action])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Run a notebook the way `fsdp-course grade` does: nbgrader's Execute, with a time limit for the whole notebook.
+
+nbgrader's `Execute` preprocessor (nbclient underneath) limits each cell; a class's notebooks need one limit
+for all of a notebook's cells, a cap on what a cell may print (a flood would otherwise be kept in memory, all
+of it), and a record of which cells ran: a checker cell that never ran must not look like one that ran
+without an error. `TimedExecute` adds those three; `start_kernel_manager` runs kernels of this interpreter,
+whatever kernel the notebook's metadata names (nbgrader's OverwriteKernelspec resets the metadata only).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import nbformat
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+from jupyter_core.utils import run_sync
+from nbformat import NotebookNode
+from nbgrader.preprocessors import Execute
+from traitlets import Float, Integer
+
+__all__ = ["NOT_RUN", "TimedExecute", "error_output", "kernel_manager", "shutdown"]
+
+NOT_RUN = "NotRun"  # ename of the error output put on cells that never ran
+
+
+class _CurrentPython(KernelSpecManager):
+    """Kernels run this interpreter (the course's environment), whatever the notebook's metadata says."""
+
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
+        return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                          display_name="fsdp-course grader", language="python", name=kernel_name)
+
+
+class TimedExecute(Execute):
+    """nbgrader's Execute with one time limit for the whole notebook and a cap on each cell's output."""
+
+    notebook_timeout = Float(120.0, help="seconds for all cells together").tag(config=True)
+    max_output_chars = Integer(20_000, help="output kept per cell; the rest is dropped").tag(config=True)
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.timeout_func = self._remaining  # nbclient asks it before each cell
+        self.deadline: float | None = None  # set when the first code cell starts
+        self.executed: set[int] = set()
+        self.stopped = ""  # why the remaining cells were not run
+        self.pid_file: str | None = None
+        self._chars: dict[int, int] = {}
+
+    def _remaining(self, cell: NotebookNode) -> int:
+        left = (self.deadline or time.monotonic()) - time.monotonic()
+        return max(1, int(left + 0.999))  # nbclient reads 0 as "no limit"
+
+    async def async_start_new_kernel(self, **kwargs: Any) -> None:
+        await super().async_start_new_kernel(**kwargs)
+        pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
+        if pid and self.pid_file:  # lets the parent kill the kernel's process group if this worker hangs
+            Path(self.pid_file).write_text(str(pid))
+
+    def preprocess_cell(self, cell: NotebookNode, resources: Any, index: int) -> tuple[NotebookNode, Any]:
+        if cell.cell_type != "code":
+            return cell, resources
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.notebook_timeout
+        if not self.stopped and time.monotonic() >= self.deadline:
+            self.stopped = f"time limit of {self.notebook_timeout:g} s reached"
+        if self.stopped:
+            return cell, resources
+        try:
+            cell, resources = super().preprocess_cell(cell, resources, index)
+        except Exception as exc:  # noqa: BLE001  (a dead kernel, a lost reply: the notebook's doing, reported)
+            name = type(exc).__name__
+            self.stopped = "the kernel died" if name == "DeadKernelError" else f"{name}: {exc}"
+            if not any(o.output_type == "error" for o in cell.outputs):
+                cell.outputs.append(error_output(name, self.stopped))
+            return cell, resources
+        self.executed.add(index)
+        if any(o.output_type == "error" and o.ename == "CellTimeoutError" for o in cell.outputs):
+            self.stopped = f"time limit of {self.notebook_timeout:g} s reached"
+        return cell, resources
+
+    def output(self, outs: list, msg: dict, display_id: str | None, cell_index: int) -> NotebookNode | None:
+        if msg["msg_type"] in ("stream", "display_data", "execute_result"):  # errors always pass
+            content = msg["content"]
+            size = len(content["text"]) if "text" in content else len(json.dumps(content.get("data", {})))
+            used = self._chars.get(cell_index, 0)
+            self._chars[cell_index] = used + size
+            if used + size > self.max_output_chars:
+                if used <= self.max_output_chars:
+                    outs.append(nbformat.v4.new_output(
+                        "stream", name="stdout",
+                        text=f"\n... output cut by the grader after {self.max_output_chars} characters ...\n"))
+                return None
+        return super().output(outs, msg, display_id, cell_index)
+
+
+def kernel_manager() -> AsyncKernelManager:
+    """A kernel manager for a fresh kernel of this interpreter (the course's environment)."""
+    return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_CurrentPython())
+
+
+def error_output(ename: str, evalue: str) -> NotebookNode:
+    return nbformat.v4.new_output("error", ename=ename, evalue=evalue, traceback=[f"{ename}: {evalue}"])
+
+
+# -- one submission ------------------------------------------------------------------------------------
+def shutdown(km: AsyncKernelManager) -> None:
+    try:
+        if km.has_kernel:
+            run_sync(km.shutdown_kernel)(now=True)
+    except Exception:  # noqa: BLE001, S110  (already gone)
+        pass
