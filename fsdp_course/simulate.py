@@ -146,12 +146,13 @@ def run_ranks(fn: Callable[[RankContext], Any], world_size: int, *, timeout: flo
 
 
 def _join(threads: list[threading.Thread], monitor: WorldMonitor) -> None:
-    """Join all threads; once a rank has failed, give the rest at most one timeout to stop."""
+    """Join all threads; once a rank has failed, give the rest about one timeout (plus a margin) to stop."""
     pending = list(threads)
     while pending:
         pending[0].join(0.05)  # short joins keep Ctrl-C / Jupyter's interrupt responsive
         if monitor.abort.is_set():
-            deadline = time.monotonic() + monitor.timeout
+            # a rank blocked inside a raw Gloo call is released by Gloo's own timeout (the same value): margin
+            deadline = time.monotonic() + 1.5 * monitor.timeout + 2.0
             for t in pending:
                 t.join(max(0.0, deadline - time.monotonic()))
             return
