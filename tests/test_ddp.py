@@ -14,15 +14,6 @@ from fsdp_course.models import MLP
 from fsdp_course.simulate import run_ranks
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """Ranks are threads: one intra-op thread each keeps them from fighting over the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_ddp(model, ctx, optimizer_factory):
     return ModuleTrainee(DDP(model, ctx), optimizer_factory)
 

@@ -16,14 +16,6 @@ from fsdp_course.zero import ZeRO1, ZeRO2, bucket_parameters
 BUCKET = 1000  # elements: several ZeRO-2 buckets even for the test models
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """Ranks are threads: one intra-op thread each keeps them from fighting over the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def make_zero(stage):
     def make(model, ctx, optimizer_factory):
