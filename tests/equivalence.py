@@ -8,7 +8,7 @@ every step:
   - the parameters after the step: elementwise relative to the tensor's largest value (SGD), or in
     global norm over all parameters (Adam/AdamW: Adam divides by the gradient's own scale, so a
     gradient that is mathematically zero, such as attention's key bias, turns rounding noise into
-    full-size updates; see shared/DESIGN.md).
+    updates that differ from run to run).
 A failure names the step, the tensor, the rank and the difference (as in CS336's FSDP checks).
 
 An engine plugs in through a small adapter, a `Trainee` (see `ModuleTrainee`, `ShardedTrainee`):

@@ -4,7 +4,7 @@ Equivalence: world sizes 1-4 (3 forces padding), SGD and AdamW, 5 steps, MLP and
 Per step the averaged gradients and the loss match one process tightly; parameters match
 elementwise under SGD and in global norm under AdamW (Adam divides by the gradient's own scale,
 so a gradient that is mathematically zero, like attention's key bias, turns rounding noise into
-full-size steps: see shared/DESIGN.md).  Failures name step, parameter, rank and difference.
+steps that differ from run to run, up to lr in size when the noise exceeds Adam's eps).  Failures name step, parameter, rank and difference.
 """
 
 import copy
