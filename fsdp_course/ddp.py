@@ -88,7 +88,8 @@ class _FlatGrads:
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)  # (numel,)
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                device=params[0].device)  # (numel,)
         self.views = []
         offset = 0
         for p in params:

@@ -3,8 +3,9 @@
 Equivalence: world sizes 1-4 (3 forces padding), SGD and AdamW, 5 steps, MLP and Transformer.
 Per step the averaged gradients and the loss match one process tightly; parameters match
 elementwise under SGD and in global norm under AdamW (Adam divides by the gradient's own scale,
-so a gradient that is mathematically zero, like attention's key bias, turns rounding noise into
-steps that differ from run to run, up to lr in size when the noise exceeds Adam's eps).  Failures name step, parameter, rank and difference.
+so a gradient that is mathematically zero, like attention's key bias, turns rounding noise
+into steps that differ from run to run, up to lr in size when the noise exceeds Adam's eps).
+Failures name step, parameter, rank and difference.
 """
 
 import copy

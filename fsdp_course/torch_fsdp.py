@@ -1,0 +1,129 @@
+"""PyTorch's own FSDP (`fully_shard`, "FSDP2") set up the way the course's FSDP is, for side-by-side runs.
+
+`shard_with_fully_shard(model, ctx)` applies `torch.distributed.fsdp.fully_shard` bottom-up, as its
+docs ask: one FSDP unit per `nn.TransformerEncoderLayer`, then the root (embeddings, final norm,
+head), the same units as `FSDP(model, ctx, wrap={nn.TransformerEncoderLayer})`. Where the course's
+FSDP keeps one flat parameter per unit, `fully_shard` keeps each parameter as a `DTensor` sharded
+on dim 0 (FSDPParam), gathers a unit's parameters in one all-gather (FSDPParamGroup.unshard) and
+reduce-scatters its gradients in one collective: the design of the FSDP paper (arXiv:2304.11277),
+rebuilt in FSDP2 around DTensor. Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
+
+A model built on the meta device is sharded first and materialized after (`to_empty`), one piece
+at a time from `meta_init.materialize`, so no rank ever holds the whole model.
+
+`count_collectives(ctx)` makes `fully_shard`'s collectives visible in the course's traffic ledger
+(`ctx.ledger`, ring cost model), so bytes per step compare with the course's engines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from fsdp_course.context import RankContext
+from fsdp_course.meta_init import materialize
+
+__all__ = ["count_collectives", "full_state_dict", "shard_with_fully_shard"]
+
+
+def shard_with_fully_shard(model: nn.Module, ctx: RankContext, *, seed: int | None = None,
+                           unit: type[nn.Module] = nn.TransformerEncoderLayer) -> nn.Module:
+    """Shard `model` in place with fully_shard (one unit per `unit` instance, plus the root); returns it.
+
+    A model on the meta device is then materialized piece by piece from `seed` (meta_init); a real
+    model must already hold the same values on every rank (fully_shard does not broadcast).
+    """
+    mesh = DeviceMesh.from_group(ctx.group, ctx.device.type)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and seed is None:
+        raise ValueError("a model on the meta device needs the seed to materialize its weights")
+    template = None
+    if on_meta:  # a second meta copy to materialize from: fully_shard turns the model's params into DTensors
+        if not hasattr(model, "config"):
+            raise TypeError(f"cannot rebuild {type(model).__name__} on the meta device: it needs a .config")
+        with torch.device("meta"):
+            template = type(model)(model.config)
+    for module in model.modules():
+        if isinstance(module, unit):
+            fully_shard(module, mesh=mesh)  # one FSDPParamGroup: one all-gather, one reduce-scatter
+    fully_shard(model, mesh=mesh)  # the root: whatever no unit owns
+    if template is not None:
+        model.to_empty(device=ctx.device)  # allocates the local shards only
+        _load_pieces(model, template, seed, mesh)  # type: ignore[arg-type]  (seed checked above)
+    return model
+
+
+@torch.no_grad()
+def _load_pieces(model: nn.Module, template: nn.Module, seed: int, mesh: DeviceMesh) -> None:
+    params = dict(model.named_parameters())
+    done = set()
+    # one piece at a time, drawn on the CPU (a GPU's RNG would give other values than init_weights)
+    for _, full in materialize(template, seed, device="cpu"):
+        for name, value in full.items():
+            param = params[name]
+            # src_data_rank=None: every rank computed the same values, so each keeps its chunk, no comm
+            value = value.to(param.device)
+            param.copy_(distribute_tensor(value, mesh, param.placements, src_data_rank=None))
+            done.add(name)
+    missing = sorted(set(params) - done)
+    if missing:
+        raise RuntimeError(f"meta-device parameters left uninitialized: {missing}")
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full tensors keyed as the unwrapped model's state_dict(), on every rank (a collective)."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+# -- the ledger for fully_shard's collectives ------------------------------------------------------
+def _payload(op: str, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The full (unsharded) tensor of a call: all-gather output, reduce-scatter input, else the tensor."""
+    if op == "all_gather":
+        return kwargs.get("output_tensor", args[0] if args else None)
+    if op == "reduce_scatter":
+        return kwargs.get("input", args[1] if len(args) > 1 else None)
+    return kwargs.get("tensor", args[0] if args else None)
+
+
+_COUNTED = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
+            "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+            "all_reduce": "all_reduce", "broadcast": "broadcast"}
+
+
+@contextlib.contextmanager
+def count_collectives(ctx: RankContext) -> Iterator[None]:
+    """While active, every torch.distributed collective above is also recorded in `ctx.ledger`."""
+    originals: dict[str, Callable[..., Any]] = {name: getattr(dist, name) for name in _COUNTED
+                                                if hasattr(dist, name)}
+
+    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        op = _COUNTED[name]
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            t = _payload(op, args, kwargs)
+            ctx._seq += 1
+            ctx.ledger.add(op, ctx._seq, str(t.dtype).removeprefix("torch."), (tuple(t.shape),),
+                           t.numel() * t.element_size(), kwargs.get("src", 0))
+            return result
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, counted(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
