@@ -97,6 +97,7 @@ def test_lesson_runs_in_jupyterlab(lab: CourseLab, lesson: str) -> None:
         assert rank_cells, "lesson 00 shows no per-rank output in its cells"
     if "zero_calculator(" in (ROOT / "lessons" / lesson).read_text():
         assert check_widget(lab) == []
+        lab.page.screenshot(path=str(SHOTS / f"{Path(lesson).stem}_widget.png"))  # the calculator, moved
 
 
 def test_the_widget_check_passes_a_working_calculator(lab: CourseLab) -> None:
