@@ -21,13 +21,21 @@ Rules it needs: the same control flow on every rank (same units used in the same
 A parameter unused in a step inside a unit that was used gets a zero gradient, not None (its
 slice of the flat gradient is zero, as in PyTorch FSDP's flat parameters), so weight decay still
 moves it; a whole unit unused on every rank keeps `.grad` None, as on one process.
+
+Meta-device init (deferred initialization, arXiv:2304.11277 section 3.1): a module built on the
+`meta` device has shapes but no values, so no rank ever holds the whole model.  FSDP then builds
+each layout from the shapes alone, allocates only the local shard, skips the broadcast, and fills
+the shard from `init`, which yields the full tensors of one piece at a time (meta_init.materialize):
+
+  FSDP(meta_model, ctx, wrap=..., init=lambda m: materialize(m, seed))
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -56,10 +64,23 @@ STALE_OPTIMIZER = (
 
 
 class FSDP(nn.Module):
-    """Fully sharded data parallel over the rank context `ctx`; `parameters()` are the local shards."""
+    """Fully sharded data parallel over the rank context `ctx`; `parameters()` are the local shards.
 
-    def __init__(self, module: nn.Module, ctx: Any, *, wrap: set[type[nn.Module]] | None = None) -> None:
+    A real `module`: rank 0's values are broadcast.  A `module` on the meta device needs `init`: a
+    callable that, given a meta copy of the module, yields (piece name, {state_dict name: full tensor})
+    one piece at a time, e.g. `lambda m: meta_init.materialize(m, seed)`; every rank keeps its slice of
+    each piece and drops the rest, so the extra memory is one piece, never the whole model.
+    """
+
+    def __init__(self, module: nn.Module, ctx: Any, *, wrap: set[type[nn.Module]] | None = None,
+                 init: Callable[[nn.Module], Iterable[tuple[str, dict[str, torch.Tensor]]]] | None = None
+                 ) -> None:
         super().__init__()
+        on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+        if on_meta and init is None:
+            raise ValueError("a module on the meta device has no values: pass init=, e.g. "
+                             "init=lambda m: meta_init.materialize(m, seed)")
+        template = copy.deepcopy(module) if on_meta else None  # shapes only: costs no storage
         self.module = module
         self.ctx = ctx
         self.sync_grads = True
@@ -77,8 +98,11 @@ class FSDP(nn.Module):
             for unit_module, unit_name, occ in _group_by_unit(occurrences, module):
                 handles = self._build_handles(unit_name, occ)
                 self.units.append(FSDPUnit(unit_name, unit_module, handles, self))
-            for _, buf in module.named_buffers():  # buffers: replicated, rank 0's values
-                ctx.broadcast(buf.data)
+            if template is not None:
+                self._fill_from_pieces(init(template))  # type: ignore[misc]  (init checked above)
+            else:
+                for _, buf in module.named_buffers():  # buffers: replicated, rank 0's values
+                    ctx.broadcast(buf.data)
         self.flat_params = nn.ParameterList([h.shard for u in self.units for h in u.handles])
         self.root_unit = next((u for u in self.units if u.module is module), None)
         self._trip_stale_optimizers()
@@ -97,9 +121,13 @@ class FSDP(nn.Module):
                 continue
             layout = FlatParamLayout.build([(name, p) for name, _, _, p in group], self.ctx.world_size)
             unique = list({id(p): p for _, _, _, p in group}.values())
-            flat = layout.flatten(p.detach() for p in unique).to(unique[0].device)  # (padded_numel,)
-            self.ctx.broadcast(flat, src=0)  # initial values come from rank 0, as in the article
-            shard = nn.Parameter(layout.shard(flat, self.ctx.rank).clone(), requires_grad=requires_grad)
+            if unique[0].is_meta:  # no values yet: _fill_from_pieces writes them into the shard
+                local = torch.zeros(layout.shard_numel, dtype=layout.dtype, device=self.ctx.device)
+            else:
+                flat = layout.flatten(p.detach() for p in unique).to(unique[0].device)  # (padded_numel,)
+                self.ctx.broadcast(flat, src=0)  # initial values come from rank 0, as in the article
+                local = layout.shard(flat, self.ctx.rank).clone()
+            shard = nn.Parameter(local, requires_grad=requires_grad)  # (padded_numel // N,)
             index = {id(p): i for i, p in enumerate(unique)}
             locations: list[list[tuple[nn.Module, str]]] = [[] for _ in unique]
             for _, mod, attr, p in group:
@@ -110,6 +138,33 @@ class FSDP(nn.Module):
                 self._originals.append(p)
             handles.append(FlatParamHandle(layout, shard, locations))
         return handles
+
+    def _fill_from_pieces(self, pieces: Iterable[tuple[str, dict[str, torch.Tensor]]]) -> None:
+        """Copy this rank's slice of each full tensor into its shard; buffers are kept whole."""
+        slices: dict[str, list[tuple[torch.Tensor, Any]]] = {}  # name -> [(shard, ShardPiece)]
+        for unit in self.units:
+            for h in unit.handles:
+                aliases = {i.name: i.aliases for i in h.layout.infos}
+                for piece in h.layout.pieces(self.ctx.rank):
+                    for name in (piece.name, *aliases[piece.name]):
+                        slices.setdefault(name, []).append((h.shard, piece))
+        owners = {name: name.rpartition(".") for name, b in self.module.named_buffers() if b.is_meta}
+        seen: set[str] = set()
+        for _, full in pieces:  # one piece of the model at a time
+            for name, value in full.items():
+                seen.add(name)
+                for shard, piece in slices.get(name, []):
+                    n = piece.param_end - piece.param_start
+                    shard.data[piece.shard_offset : piece.shard_offset + n].copy_(
+                        value.reshape(-1)[piece.param_start : piece.param_end])
+                if name in owners:  # a buffer: every rank keeps all of it
+                    prefix, _, attr = owners[name]
+                    self.module.get_submodule(prefix)._buffers[attr] = value.to(self.ctx.device).clone()
+            del full
+        names = [i.name for u in self.units for h in u.handles for i in h.layout.infos]
+        missing = sorted(set(names + list(owners)) - seen)
+        if missing:
+            raise RuntimeError(f"init yielded no values for {missing}: they would stay zero")
 
     # -- forward / backward ------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -137,7 +192,7 @@ class FSDP(nn.Module):
         """Give the emptied original parameters a gradient that raises STALE_OPTIMIZER when used."""
         with torch._C.DisableTorchFunctionSubclass():
             for p in self._originals:
-                p.grad = sharded_away((0,), p.dtype, STALE_OPTIMIZER)
+                p.grad = sharded_away((0,), p.dtype, STALE_OPTIMIZER, device=p.device)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -67,8 +67,9 @@ class ShardedAway(torch.Tensor):
         return f"ShardedAway({self.note})"
 
 
-def sharded_away(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, note: str) -> ShardedAway:
-    base = torch.zeros((), dtype=dtype).expand(shape)  # 1 element of storage, any shape
+def sharded_away(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, note: str,
+                 device: torch.device | str = "cpu") -> ShardedAway:
+    base = torch.zeros((), dtype=dtype, device=device).expand(shape)  # 1 element of storage, any shape
     t = torch.Tensor._make_subclass(ShardedAway, base)
     t.note = note
     return t

@@ -27,6 +27,7 @@ step is smaller than the whole model.
 from __future__ import annotations
 
 import copy
+import threading
 import zlib
 from collections.abc import Iterator
 
@@ -54,6 +55,10 @@ def pieces(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
+# reset_piece seeds the global CPU RNG; run_ranks' rank threads share it, so one piece at a time
+_RNG_LOCK = threading.Lock()
+
+
 def _seed_of(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
@@ -62,7 +67,7 @@ def _seed_of(seed: int, name: str) -> int:
 def reset_piece(piece: nn.Module, name: str, seed: int) -> None:
     """Initialize one piece in place: every submodule's reset_parameters(), children before parents
     (so MultiheadAttention's _reset_parameters zeroes out_proj.bias last, as its constructor does)."""
-    with torch.random.fork_rng(devices=[]):
+    with _RNG_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(_seed_of(seed, name))
         for sub_name, mod in reversed(list(piece.named_modules())):
             reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)

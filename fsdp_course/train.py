@@ -75,9 +75,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or args.log_every < 1:
         p.error("--steps, --batch-size and --log-every must be positive")
-    if args.meta_init and args.engine == "ours":
-        p.error("--meta-init is not available for --engine ours: FSDP(module, ctx) reads the values of real "
-                "parameters when it builds its flat parameters; use --engine torch to see meta-device init")
     return args
 
 
@@ -133,20 +130,23 @@ def build_engine(args: argparse.Namespace, ctx: RankContext, config: Transformer
         shard_with_fully_shard(model, ctx, seed=args.seed)
         return Engine(model, list(model.parameters()), lambda: full_state_dict(model), [model],
                       lambda: count_collectives(ctx))
-    if args.meta_init:  # DDP keeps the whole model anyway: materialize it all
-        model = model.to_empty(device=ctx.device)
-        with torch.no_grad():
-            params = dict(model.named_parameters())
-            for _, piece in materialize(meta_model(config), args.seed):
-                for name, value in piece.items():
-                    params[name].copy_(value)
     if args.engine == "ours":
         from fsdp_course.fsdp import FSDP
 
-        engine: Any = FSDP(model, ctx, wrap={nn.TransformerEncoderLayer})
+        # on the meta device, each rank fills its shards one piece at a time (fsdp.py, meta_init.py)
+        init = (lambda m: materialize(m, args.seed)) if args.meta_init else None
+        engine: Any = FSDP(model, ctx, wrap={nn.TransformerEncoderLayer}, init=init)
         state = engine.full_state_dict
     else:
         from fsdp_course.ddp import DDP
+
+        if args.meta_init:  # DDP keeps the whole model anyway: materialize it all
+            model = model.to_empty(device=ctx.device)
+            with torch.no_grad():
+                params = dict(model.named_parameters())
+                for _, piece in materialize(meta_model(config), args.seed):
+                    for name, value in piece.items():
+                        params[name].copy_(value)
 
         engine = DDP(model, ctx)
         state = lambda: {k: v.detach().clone() for k, v in model.state_dict().items()}  # noqa: E731

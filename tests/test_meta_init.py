@@ -1,11 +1,17 @@
 """Piecewise seeded init: a real model and a meta-device model materialized piece by piece agree."""
 
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from fsdp_course.data import digits_tokens
+from fsdp_course.fsdp import FSDP
 from fsdp_course.meta_init import init_weights, materialize, pieces
 from fsdp_course.models import MLP, TransformerClassifier, TransformerConfig
+from fsdp_course.simulate import RankError, run_ranks
 
 
 def meta(config: TransformerConfig) -> TransformerClassifier:
@@ -57,3 +63,39 @@ def test_a_module_without_reset_parameters_is_named() -> None:
     model = nn.Sequential(MLP([4, 3]), Scale())
     with pytest.raises(TypeError, match="'1' .Scale. owns parameters but has no reset_parameters"):
         init_weights(model, seed=0)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])  # 3: the flat parameters need padding
+def test_our_fsdp_from_the_meta_device_equals_fsdp_from_the_real_model(world_size: int) -> None:
+    config, seed = TransformerConfig.tiny(), 5
+    real = init_weights(TransformerClassifier(config), seed)
+    x, y = (t[:24] for t in digits_tokens())
+    wrap = {nn.TransformerEncoderLayer}
+
+    def rank_fn(ctx):
+        ours = FSDP(copy.deepcopy(real), ctx, wrap=wrap)
+        lazy = FSDP(meta(config), ctx, wrap=wrap, init=lambda m: materialize(m, seed))
+        same_shards = [torch.equal(a, b) for a, b in zip(ours.parameters(), lazy.parameters(), strict=True)]
+        full = lazy.full_state_dict()
+        n, r = ctx.world_size, ctx.rank
+        xs, ys = (t[r * len(x) // n : (r + 1) * len(x) // n] for t in (x, y))
+        losses = []
+        for fsdp in (ours, lazy):  # one AdamW step, then the loss after it
+            opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
+            F.cross_entropy(fsdp(xs), ys).backward()
+            opt.step()
+            with torch.no_grad():
+                losses.append(F.cross_entropy(fsdp(xs), ys).item())
+        return same_shards, full, losses
+
+    expected = real.state_dict()
+    for same_shards, full, (loss_real, loss_meta) in run_ranks(rank_fn, world_size, timeout=60):
+        assert same_shards and all(same_shards)
+        assert full.keys() == expected.keys()
+        assert all(torch.equal(full[k], v) for k, v in expected.items())
+        assert loss_real == loss_meta
+
+
+def test_our_fsdp_on_the_meta_device_needs_init() -> None:
+    with pytest.raises(RankError, match="ValueError: a module on the meta device has no values: pass init="):
+        run_ranks(lambda ctx: FSDP(meta(TransformerConfig.tiny()), ctx), 1)
