@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from fsdp_course import fsdp_state_dict
+from fsdp_course.ddp import queue_after_backward
 from fsdp_course.flat_param import FlatParamLayout, check_same_dtype
 from fsdp_course.fsdp_unit import (
     FlatParamHandle,
@@ -103,7 +104,7 @@ class FSDP(nn.Module):
             else:
                 for _, buf in module.named_buffers():  # buffers: replicated, rank 0's values
                     ctx.broadcast(buf.data)
-        self.flat_params = nn.ParameterList([h.shard for u in self.units for h in u.handles])
+        self.flat_params = nn.ParameterList([h.shard for h in self.handles])
         self.root_unit = next((u for u in self.units if u.module is module), None)
         self._trip_stale_optimizers()
         for unit in self.units:
@@ -161,7 +162,7 @@ class FSDP(nn.Module):
                     prefix, _, attr = owners[name]
                     self.module.get_submodule(prefix)._buffers[attr] = value.to(self.ctx.device).clone()
             del full
-        names = [i.name for u in self.units for h in u.handles for i in h.layout.infos]
+        names = [i.name for h in self.handles for i in h.layout.infos]
         missing = sorted(set(names + list(owners)) - seen)
         if missing:
             raise RuntimeError(f"init yielded no values for {missing}: they would stay zero")
@@ -179,7 +180,7 @@ class FSDP(nn.Module):
     def _on_backward_start(self) -> None:
         if not self._callback_queued:  # runs once, after the whole backward pass
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            queue_after_backward(self._finish_backward)
 
     def _finish_backward(self) -> None:
         for unit in self.units:
@@ -194,6 +195,11 @@ class FSDP(nn.Module):
             for p in self._originals:
                 p.grad = sharded_away((0,), p.dtype, STALE_OPTIMIZER, device=p.device)
 
+    @property
+    def handles(self) -> list[FlatParamHandle]:
+        """Every flat parameter of every unit, in unit order."""
+        return [h for u in self.units for h in u.handles]
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate unsharded gradients locally (no reduce-scatter) until the first backward after."""
@@ -207,7 +213,7 @@ class FSDP(nn.Module):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over all shards of all ranks (what one process would compute)."""
-        grads = [h.shard.grad for u in self.units for h in u.handles if h.shard.grad is not None]
+        grads = [h.shard.grad for h in self.handles if h.shard.grad is not None]
         dtype = grads[0].dtype if grads else torch.float32
         if math.isinf(norm_type):
             local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
@@ -236,7 +242,7 @@ class FSDP(nn.Module):
 
     # -- memory (engine protocol of memory.py) -----------------------------------------------------
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        handles = [h for u in self.units for h in u.handles]
+        handles = self.handles
         return {
             "sharded_params": [h.shard for h in handles],
             "gathered_params": [h.full for h in handles],

@@ -28,15 +28,11 @@ def rank_file(rank: int) -> str:
     return f"shard_rank{rank}.pt"
 
 
-def _handles(fsdp: FSDP) -> list:
-    return [h for u in fsdp.units for h in u.handles]
-
-
 @torch.no_grad()
 def full_state_dict(fsdp: FSDP) -> dict[str, torch.Tensor]:
     """Full parameters and buffers, keyed as the wrapped module's state_dict(), on every rank."""
     values: dict[str, torch.Tensor] = {}
-    for h in _handles(fsdp):
+    for h in fsdp.handles:
         full = fsdp.ctx.all_gather(h.shard.detach())  # (padded_numel,)
         for info, view in zip(h.layout.infos, h.layout.unflatten(full), strict=True):
             tensor = view.clone()
@@ -56,7 +52,7 @@ def load_full_state_dict(fsdp: FSDP, state_dict: dict[str, torch.Tensor]) -> Non
     if missing or unexpected:
         raise KeyError(f"state dict does not match the wrapped module: missing {missing}, "
                        f"unexpected {unexpected}")
-    for h in _handles(fsdp):
+    for h in fsdp.handles:
         flat = h.layout.flatten(state_dict[info.name] for info in h.layout.infos)  # (padded_numel,)
         h.shard.copy_(h.layout.shard(flat, fsdp.ctx.rank))
     buffers = dict(fsdp.module.named_buffers(remove_duplicate=False))
@@ -83,7 +79,7 @@ def save_sharded(fsdp: FSDP, directory: str, optimizer: torch.optim.Optimizer | 
     os.makedirs(directory, exist_ok=True)
     payload = {
         "rank": fsdp.ctx.rank,
-        "shards": [h.shard.detach().clone() for h in _handles(fsdp)],
+        "shards": [h.shard.detach().clone() for h in fsdp.handles],
         "buffers": {n: b.detach().clone() for n, b in fsdp.module.named_buffers()},
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
     }
@@ -120,7 +116,7 @@ def load_sharded(fsdp: FSDP, directory: str, optimizer: torch.optim.Optimizer | 
         raise FileNotFoundError(f"rank {fsdp.ctx.rank}'s file {path} is missing (found: {present}); "
                                 f"a sharded checkpoint needs all {n} rank files")
     payload = torch.load(path, weights_only=True)
-    for h, saved_shard in zip(_handles(fsdp), payload["shards"], strict=True):
+    for h, saved_shard in zip(fsdp.handles, payload["shards"], strict=True):
         h.shard.copy_(saved_shard)
     for name, buf in fsdp.module.named_buffers():
         buf.copy_(payload["buffers"][name])

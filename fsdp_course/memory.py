@@ -122,9 +122,16 @@ def record_event(engine: Any, label: str) -> None:
         recorder.record(label)
 
 
-_STAGES = {"ddp": 0, "zero1": 1, "zero-1": 1, "zero2": 2, "zero-2": 2, "zero3": 3, "zero-3": 3,
-           "fsdp": 3}
+_STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
 _OPTIMIZER_STATE = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}  # state tensors per param
+
+
+def stage_index(stage: int | str) -> int:
+    """0..3 from 0..3, "DDP", "ZeRO-1", "zero_2", "ZeRO-3" or "FSDP" (case, "-" and "_" ignored)."""
+    s = _STAGES.get(stage.lower().replace("-", "").replace("_", ""), -1) if isinstance(stage, str) else stage
+    if isinstance(s, bool) or s not in (0, 1, 2, 3):
+        raise ValueError(f"unknown ZeRO stage {stage!r}: use 0-3 or one of DDP, ZeRO-1, ZeRO-2, ZeRO-3, FSDP")
+    return int(s)
 
 
 def zero_formula(
@@ -142,9 +149,9 @@ def zero_formula(
     their gradient while that unit runs (the FSDP paper's extra; 0 leaves it out).
     Returns bytes for "params", "grads", "optimizer", "gathered" and their "total".
     """
-    s = _STAGES.get(stage.lower(), -1) if isinstance(stage, str) else stage
-    if s not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0-3 or one of {sorted(_STAGES)}, got {stage!r}")
+    s = stage_index(stage)
+    if numel < 0 or world_size < 1:
+        raise ValueError(f"need numel >= 0 and world_size >= 1, got {numel}, {world_size}")
     if optimizer.lower() not in _OPTIMIZER_STATE:
         raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZER_STATE)}, got {optimizer!r}")
     n, psi, b = world_size, numel, bytes_per_param

@@ -112,8 +112,7 @@ class WorldMonitor:
                             f"timed out after {self.timeout:g} s in {sig.op} #{sig.seq}: rank(s) "
                             f"{', '.join(map(str, missing))} never joined it.\n{self.report()}")
                     self._cond.wait(min(remaining, 0.5))
-                differ = {s.op for s in posted.values()} != {sig.op} or len(set(posted.values())) > 1
-                if differ:
+                if len(set(posted.values())) > 1:  # any field differs: op, seq, shapes, dtype, op/src
                     lines = "\n".join(f"  rank {r}: {posted[r].describe()}" for r in sorted(posted))
                     raise CollectiveMismatch(f"collective mismatch at call #{sig.seq}:\n{lines}")
                 self._state[rank] = f"in {sig.describe()}"

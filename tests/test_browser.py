@@ -86,9 +86,9 @@ def test_lesson_runs_in_jupyterlab(lab: CourseLab, lesson: str) -> None:
     run = lab.run_all(lesson, screenshots=SHOTS)
     assert run.cells, f"{lesson}: no code cells seen"
     assert run.problems() == []
-    assert run.images() >= run.png_outputs() > 0 or run.png_outputs() == 0
-    if run.png_outputs():
-        assert run.images() > 0, f"{lesson}: figures produced but none rendered as images"
+    assert run.images() >= run.png_outputs(), f"{lesson}: {run.png_outputs()} figures, {run.images()} images shown"
+    if lesson == "01_collectives.ipynb":
+        assert run.png_outputs() > 0, "lesson 01 draws its collectives: no figure came back"
     rank_cells = [c for c in run.cells if "[rank 0]" in c["text"]]
     for cell in rank_cells:
         ranks = [int(r) for r in re.findall(r"^\[rank (\d+)\]", cell["text"], re.M)]

@@ -14,8 +14,6 @@ from matplotlib.colors import to_hex  # noqa: E402
 from fsdp_course import viz  # noqa: E402
 from fsdp_course.flat_param import FlatParamLayout  # noqa: E402
 from fsdp_course.ledger import Ledger  # noqa: E402
-from fsdp_course.memory import zero_formula  # noqa: E402
-from fsdp_course.viz.zero_bars import _zero_formula_local  # noqa: E402
 
 
 def patches(fig, prefix):
@@ -236,13 +234,6 @@ def test_traffic_bad_input():
                                             ("zero2", 4 * 1000 + 12 * 1000 / 8), ("FSDP", 16 * 1000 / 8)])
 def test_zero_bytes_match_the_paper(stage, expected):
     assert viz.zero_bytes(1000, 8, stage)["total"] == pytest.approx(expected)
-
-
-def test_local_formula_copy_agrees_with_memory():
-    for s in range(4):
-        for opt in ("adam", "sgd_momentum", "sgd"):
-            assert _zero_formula_local(1234, 6, s, optimizer=opt, gathered_numel=7) == pytest.approx(
-                zero_formula(1234, 6, s, optimizer=opt, gathered_numel=7))
 
 
 def test_zero_formula_text():

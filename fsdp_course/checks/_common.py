@@ -221,6 +221,3 @@ def scale_ratio(got: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-4) -
     return None
 
 
-def times(c: float) -> str:
-    """'4x' for 4.0, '0.25x' for 0.25: a ratio as the learner reads it."""
-    return f"{c:.3g}x"

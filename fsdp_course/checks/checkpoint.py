@@ -40,6 +40,7 @@ from fsdp_course.checks._common import (
     exception_hint,
     not_implemented,
     require_callable,
+    require_world_sizes,
     run_checked,
 )
 from fsdp_course.context import RankContext
@@ -165,6 +166,10 @@ def check_sharded_checkpoint(save: Callable[[RankContext, dict[str, torch.Tensor
     check = "check_sharded_checkpoint"
     save_name = require_callable(check, save, "save_sharded")
     load_name = require_callable(check, load, "load_sharded")
+    world_sizes = require_world_sizes(world_sizes)
+    if torchrun and TORCHRUN_WORLD_SIZE not in world_sizes:  # before any training, not after it
+        raise ValueError(f"torchrun loads the world-size-{TORCHRUN_WORLD_SIZE} checkpoint: keep "
+                         f"{TORCHRUN_WORLD_SIZE} in world_sizes (or pass torchrun=False)")
     with tempfile.TemporaryDirectory(prefix="fsdp_course_ckpt_") as tmp:
         for n in world_sizes:
             directory = os.path.join(tmp, f"ckpt_n{n}")
@@ -189,12 +194,9 @@ def check_sharded_checkpoint(save: Callable[[RankContext, dict[str, torch.Tensor
             results = run_checked(check, save_name, body, n, lambda r, n=n, p=phase: f"world size {n}, rank {r} "
                                   f"(in {p[r]})", _load_hint)
             _check_results(check, n, results, directory)
-        if len(world_sizes) >= 1 and max(world_sizes) >= 2:
+        if max(world_sizes) >= 2:
             _check_wrong_world_size(check, load, load_name, tmp, max(world_sizes))
         if torchrun:
-            if TORCHRUN_WORLD_SIZE not in world_sizes:
-                raise ValueError(f"torchrun loads the world-size-{TORCHRUN_WORLD_SIZE} checkpoint: keep "
-                                 f"{TORCHRUN_WORLD_SIZE} in world_sizes (or pass torchrun=False)")
             _check_torchrun(check, load, load_name, tmp)
     print(f"All tests in {check} passed (world sizes {', '.join(map(str, world_sizes))})")
     print("  a tiny Transformer under FSDP (one unit per encoder layer), after 2 AdamW steps: every rank's "

@@ -27,6 +27,7 @@ from fsdp_course.checks._common import (
     run_checked,
 )
 from fsdp_course.context import RankContext
+from fsdp_course.flat_param import padded_numel
 from fsdp_course.ledger import Record
 from fsdp_course.monitor import CollectiveMismatch
 
@@ -107,7 +108,7 @@ def check_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor],
 def _check_one_all_reduce(check: str, n: int, shape: tuple[int, ...], inputs: list[torch.Tensor],
                           outputs: list[tuple[Any, list[Record]]]) -> None:
     expected = torch.stack(inputs).sum(0)
-    padded = -(-expected.numel() // n) * n
+    padded = padded_numel(expected.numel(), n)
     where = f"world size {n}, input shape {shape}"
     for rank, (got, records) in enumerate(outputs):
         found = compare_tensor(expected, got, world_size=n, rank=rank, padded_numel=padded)
@@ -184,7 +185,6 @@ def check_ring_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor
                     log: list[tuple[str, int, int]] = []
                     ctx.group = _RecordingGroup(group, log)
                     result = fn(ctx, inputs[n, shape][ctx.rank].clone())
-                    ctx.group = group
                     out.append((result, log, [r.op for r in ctx.ledger.records]))
             finally:
                 ctx.group = group
@@ -202,7 +202,7 @@ def check_ring_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor
     print("  rank r sends only to (r + 1) % N and receives only from (r - 1) % N; no collectives")
     n = max(sizes)
     if n > 1:
-        padded = -(-13 // n) * n
+        padded = padded_numel(13, n)
         chunk_bytes = padded // n * 4
         print(f"  traffic of rank 0 at world size {n} for a (13,) float32 tensor, padded to {padded * 4} B:")
         print(f"    2(N-1) = {2 * (n - 1)} messages of one {chunk_bytes} B chunk = {2 * (n - 1) * chunk_bytes} B sent "
@@ -212,7 +212,7 @@ def check_ring_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor
 def _check_one_ring(check: str, n: int, shape: tuple[int, ...], inputs: list[torch.Tensor],
                     outputs: list[tuple[Any, list[tuple[str, int, int]], list[str]]]) -> None:
     expected = torch.stack(inputs).sum(0)
-    padded = -(-expected.numel() // n) * n
+    padded = padded_numel(expected.numel(), n)
     chunk = padded // n
     where = f"world size {n}, input shape {shape}"
     for rank, (got, log, ops) in enumerate(outputs):

@@ -33,6 +33,7 @@ from fsdp_course.checks._common import (
 )
 from fsdp_course.checks._training import close, global_batches, local_slice, max_rel_diff, reference_run, seeded_mlp
 from fsdp_course.context import RankContext
+from fsdp_course.flat_param import padded_numel
 from fsdp_course.monitor import CollectiveHang, CollectiveMismatch
 
 __all__ = ["check_clip_grad_norm", "check_train_step"]
@@ -46,7 +47,7 @@ def _clip_inputs(n: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     g = torch.Generator().manual_seed(21)
     fulls = []
     for numel in CLIP_NUMELS:
-        padded = -(-numel // n) * n
+        padded = padded_numel(numel, n)
         full = torch.zeros(padded)
         full[:numel] = torch.randn(numel, generator=g) * torch.linspace(0.1, 3.0, numel)
         fulls.append(full)

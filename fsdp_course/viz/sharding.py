@@ -13,6 +13,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from fsdp_course.flat_param import padded_numel
 from fsdp_course.viz.style import format_bytes, new_figure, rank_color
 
 
@@ -56,7 +57,7 @@ def _layout_entries(flat: Any, numels: Sequence[int] | None, world_size: int | N
         end = offset + numel
     if not entries or end == 0:
         raise ValueError("the flat parameter is empty: nothing to draw")
-    padded = -(-end // world_size) * world_size if padded is None else padded
+    padded = padded_numel(end, world_size) if padded is None else padded
     if padded < end or padded % world_size:
         raise ValueError(f"padded_numel {padded} must be >= numel {end} and a multiple of world_size {world_size}")
     return entries, padded, world_size

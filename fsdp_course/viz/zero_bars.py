@@ -4,7 +4,7 @@ ZeRO (arXiv:1910.02054, section 5.1 and figure 1) with fp32 values and Adam (K =
 state per parameter), Psi parameters, N ranks:
   DDP 16 Psi,  ZeRO-1 (P_os) 8 Psi + 8 Psi/N,  ZeRO-2 (P_os+g) 4 Psi + 12 Psi/N,  ZeRO-3 (P_os+g+p) 16 Psi/N;
 ZeRO-3 is what PyTorch FSDP implements (arXiv:2304.11277). The numbers come from
-`memory.zero_formula`; `_zero_formula_local` is a copy used only if that module cannot be imported.
+`memory.zero_formula`.
 """
 
 from __future__ import annotations
@@ -15,51 +15,17 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from fsdp_course.memory import stage_index, zero_formula
 from fsdp_course.viz.style import CATEGORY_COLORS, STAGES, byte_axis, format_bytes, new_figure
 
-_STAGE_ALIASES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
 _FORMULA_PARTS = ("params", "grads", "optimizer", "gathered")
-_STATE_TENSORS = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}  # optimizer state tensors per parameter
-
-
-def stage_index(stage: int | str) -> int:
-    """0..3 from 0..3, "DDP", "ZeRO-1", "zero2", "ZeRO-3" or "FSDP"."""
-    s = _STAGE_ALIASES.get(stage.lower().replace("-", "").replace("_", ""), -1) if isinstance(stage, str) else stage
-    if s not in (0, 1, 2, 3):
-        raise ValueError(f"unknown ZeRO stage {stage!r}: use 0-3 or one of {', '.join(STAGES)}, FSDP")
-    return int(s)
-
-
-def _zero_formula_local(numel: int, world_size: int, stage: int, bytes_per_param: int = 4,
-                        optimizer: str = "adam", gathered_numel: int = 0) -> dict[str, float]:
-    """Fallback copy of memory.zero_formula (ZeRO section 5.1), used only if that module is missing."""
-    n, psi, b, k = world_size, numel, bytes_per_param, _STATE_TENSORS[optimizer] * bytes_per_param
-    out = {"params": psi * b / n if stage >= 3 else psi * b, "grads": psi * b / n if stage >= 2 else psi * b,
-           "optimizer": psi * k / n if stage >= 1 else psi * k,
-           "gathered": 2 * gathered_numel * b if stage >= 3 else 0}
-    out["total"] = sum(out.values())
-    return out
-
-
-try:
-    from fsdp_course.memory import zero_formula as _zero_formula
-except ImportError:  # memory.py is optional for drawing
-    _zero_formula = _zero_formula_local
 
 
 def zero_bytes(numel: int, world_size: int, stage: int | str, *, optimizer: str = "adam",
                bytes_per_param: int = 4, gathered_numel: int = 0) -> dict[str, float]:
     """Model-state bytes per rank by category ("params", "grads", "optimizer", "gathered", "total")."""
-    if numel < 0 or world_size < 1:
-        raise ValueError(f"need numel >= 0 and world_size >= 1, got {numel}, {world_size}")
-    if optimizer.lower() not in _STATE_TENSORS:
-        raise ValueError(f"optimizer must be one of {sorted(_STATE_TENSORS)}, got {optimizer!r}")
-    out = dict(_zero_formula(int(numel), int(world_size), stage_index(stage), bytes_per_param=bytes_per_param,
-                             optimizer=optimizer.lower(), gathered_numel=gathered_numel))
-    for c in _FORMULA_PARTS:
-        out.setdefault(c, 0.0)
-    out.setdefault("total", out["params"] + out["grads"] + out["optimizer"] + out["gathered"])
-    return out
+    return zero_formula(int(numel), int(world_size), stage, bytes_per_param=bytes_per_param,
+                        optimizer=optimizer.lower(), gathered_numel=gathered_numel)
 
 
 def zero_formula_text(stage: int | str, optimizer: str = "adam", bytes_per_param: int = 4) -> str:
