@@ -29,11 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from fsdp_course.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out"
@@ -41,12 +42,6 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ENGINES = ("ours", "torch", "ddp")
 MIB = 2**20
 Result = dict[str, Any]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(engine: str, config: str, nproc: int, steps: int, batch: int, *, meta: bool = False,

@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import sys
 from pathlib import Path
+
+from fsdp_course.ports import free_port
 
 __all__ = ["DEFAULT_LESSON", "free_port", "install_settings", "lab_command", "main"]
 
@@ -35,18 +36,6 @@ def install_settings(prefix: str | Path = sys.prefix) -> Path:
         current.setdefault(plugin, {}).update(values)
     path.write_text(json.dumps(current, indent=2) + "\n")
     return path
-
-
-def free_port(start: int = 8888, tries: int = 50) -> int:
-    """The first port from `start` on that is free on 127.0.0.1 (0 asks the system for any)."""
-    for port in ([0] if start == 0 else range(start, start + tries)):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise RuntimeError(f"no free port in {start}..{start + tries - 1}: pass --port")
 
 
 def lab_command(root: str | Path, *, port: int, token: str, open_browser: bool = True,

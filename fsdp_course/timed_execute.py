@@ -3,8 +3,9 @@
 nbgrader's `Execute` preprocessor (nbclient underneath) limits each cell; a class's notebooks need one limit
 for all of a notebook's cells, a cap on what a cell may print (a flood would otherwise be kept in memory, all
 of it), and a record of which cells ran: a checker cell that never ran must not look like one that ran
-without an error. `TimedExecute` adds those three; `start_kernel_manager` runs kernels of this interpreter,
-whatever kernel the notebook's metadata names (nbgrader's OverwriteKernelspec resets the metadata only).
+without an error. `TimedExecute` adds those three; `kernel_manager` runs kernels of this interpreter,
+whatever kernel the notebook's metadata names (nbgrader's OverwriteKernelspec resets the metadata only), on
+Unix sockets rather than TCP ports that a Gloo socket may take first (fsdp_course.ports).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from jupyter_core.utils import run_sync
 from nbformat import NotebookNode
 from nbgrader.preprocessors import Execute
 from traitlets import Float, Integer
+
+from fsdp_course.ports import kernel_transport
 
 __all__ = ["NOT_RUN", "TimedExecute", "error_output", "kernel_manager", "shutdown"]
 
@@ -100,7 +103,7 @@ class TimedExecute(Execute):
 
 def kernel_manager() -> AsyncKernelManager:
     """A kernel manager for a fresh kernel of this interpreter (the course's environment)."""
-    return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_CurrentPython())
+    return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_CurrentPython(), **kernel_transport())
 
 
 def error_output(ename: str, evalue: str) -> NotebookNode:

@@ -8,6 +8,7 @@ driven by the `playwright` package; no browser is ever downloaded.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 import subprocess
@@ -83,6 +84,7 @@ class CourseLab:
                 if cell.cell_type == "code":
                     cell.outputs, cell.execution_count = [], None
             nbformat.write(nb, self.root / nb_path.name)
+        self.runtime = Path(tempfile.mkdtemp(prefix="fsdpr_"))
         self.port, self.token = free_port(0), secrets.token_hex(16)
         self.server: subprocess.Popen | None = None
         self._pw = self._browser = self.page = None
@@ -91,8 +93,12 @@ class CourseLab:
         install_settings()
         cmd = lab_command(self.root, port=self.port, token=self.token, open_browser=False,
                           default_url="/lab", expose_app=True)
+        # kernels on Unix sockets in a short private runtime dir: no TCP port to lose to a Gloo socket
+        # of the notebook another pytest worker runs (see tests/conftest.py)
+        cmd.append("--KernelManager.transport=ipc")
+        env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(self.runtime)}
         self.server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                       cwd=self.root)
+                                       cwd=self.root, env=env)
         self._wait_for_server(90)
         from playwright.sync_api import sync_playwright
 
@@ -115,6 +121,7 @@ class CourseLab:
                 self.server.kill()
                 self.server.wait()
         shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.runtime, ignore_errors=True)
 
     def _wait_for_server(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds

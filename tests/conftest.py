@@ -1,9 +1,26 @@
-"""Test-session settings: one intra-op thread per process.
+"""Test-session settings: one intra-op thread per process, and nbval's kernels on Unix sockets.
 
 Rank threads share torch's intra-op thread pool; with two pytest workers on two cores, extra
 intra-op threads only fight each other (a one-process reference run went from 0.07 s to 2.6 s).
+
+nbval starts each notebook's kernel on five TCP ports that jupyter_client picks by binding port 0 and
+letting go; the Gloo groups of the other worker's notebook take ephemeral ports all the time, and once
+took one of them first (CI: "zmq.error.ZMQError: Address already in use", "Kernel died before replying
+to kernel_info"). Kernels started here use `ipc` sockets instead (fsdp_course.ports.kernel_transport).
 """
 
+import nbval.kernel
 import torch
+from jupyter_client.manager import KernelManager
+
+from fsdp_course.ports import kernel_transport
 
 torch.set_num_threads(1)
+
+
+class _SocketFileKernelManager(KernelManager):
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**{**kernel_transport(), **kwargs})
+
+
+nbval.kernel.KernelManager = _SocketFileKernelManager  # read by nbval.kernel.start_new_kernel at each start

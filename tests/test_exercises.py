@@ -18,6 +18,7 @@ from nbclient import NotebookClient
 from nbval.kernel import CURRENT_ENV_KERNEL_NAME, NbvalKernelspecManager
 
 from fsdp_course import exercises
+from fsdp_course.ports import kernel_transport
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -120,7 +121,8 @@ def test_checker_cells_import_their_own_checker(solution: Path) -> None:
 
 def _execute(path: Path) -> nbformat.NotebookNode:
     nb = nbformat.read(path, as_version=4)
-    km = KernelManager(kernel_name=CURRENT_ENV_KERNEL_NAME, kernel_spec_manager=NbvalKernelspecManager())
+    km = KernelManager(kernel_name=CURRENT_ENV_KERNEL_NAME, kernel_spec_manager=NbvalKernelspecManager(),
+                       **kernel_transport())
     NotebookClient(nb, km=km, allow_errors=True, timeout=240, resources={"metadata": {"path": str(ROOT)}}).execute()
     return nb
 

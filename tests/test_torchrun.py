@@ -2,22 +2,16 @@
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from fsdp_course import run_ranks
+from fsdp_course.ports import free_port
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from torchrun_hello import hello  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_same_function_under_torchrun_and_in_threads() -> None:

@@ -8,7 +8,6 @@ the losses of the 2-process run, since every world size computes the step one pr
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,17 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdp_course.ports import free_port
+
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 STEPS, NODE_STEPS, TOL = 10, 4, 1e-5
 TRAIN = ["-m", "fsdp_course.train", "--config", "small", "--steps", str(STEPS), "--batch-size", "32",
          "--log-every", "5", "--timeout", "60"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:

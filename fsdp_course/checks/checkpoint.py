@@ -20,7 +20,6 @@ import copy
 import inspect
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from fsdp_course.checks._common import (
     run_checked,
 )
 from fsdp_course.context import RankContext
+from fsdp_course.ports import free_port
 from fsdp_course.simulate import RankError, run_ranks
 
 __all__ = ["check_sharded_checkpoint", "compare_states", "rank_state", "trained_fsdp"]
@@ -135,12 +135,6 @@ except Exception as exc:
 print("CHECK_RESULT " + json.dumps(report), flush=True)
 ctx.close()
 '''
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _load_hint(exc: BaseException) -> str:
@@ -260,7 +254,7 @@ def _check_torchrun(check: str, load: Callable, load_name: str, tmp: str) -> Non
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         proc = subprocess.run([str(torchrun), "--nproc-per-node", str(n), "--master-addr", "127.0.0.1",
-                               "--master-port", str(_free_port()), script], capture_output=True, text=True,
+                               "--master-port", str(free_port()), script], capture_output=True, text=True,
                               timeout=TORCHRUN_TIMEOUT, env=env, cwd=tmp)
     except subprocess.TimeoutExpired:
         CheckFailure(check, where, f"torchrun did not finish within {TORCHRUN_TIMEOUT:g} s",
