@@ -71,11 +71,16 @@ class FSDP(nn.Module):
     callable that, given a meta copy of the module, yields (piece name, {state_dict name: full tensor})
     one piece at a time, e.g. `lambda m: meta_init.materialize(m, seed)`; every rank keeps its slice of
     each piece and drops the rest, so the extra memory is one piece, never the whole model.
+
+    `reshard_root_after_forward=True` (the course's default) frees the root unit after forward and
+    gathers it again in backward, like every other unit: 3 Psi (N-1)/N bytes per rank and step.  False
+    does what `fully_shard` does with its root: the root finishes forward last and starts backward first,
+    so it stays gathered in between, which saves one all-gather of the root per step (train.py uses this).
     """
 
     def __init__(self, module: nn.Module, ctx: Any, *, wrap: set[type[nn.Module]] | None = None,
-                 init: Callable[[nn.Module], Iterable[tuple[str, dict[str, torch.Tensor]]]] | None = None
-                 ) -> None:
+                 init: Callable[[nn.Module], Iterable[tuple[str, dict[str, torch.Tensor]]]] | None = None,
+                 reshard_root_after_forward: bool = True) -> None:
         super().__init__()
         on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
         if on_meta and init is None:
@@ -106,6 +111,8 @@ class FSDP(nn.Module):
                     ctx.broadcast(buf.data)
         self.flat_params = nn.ParameterList([h.shard for h in self.handles])
         self.root_unit = next((u for u in self.units if u.module is module), None)
+        if self.root_unit is not None:
+            self.root_unit.reshard_after_forward = reshard_root_after_forward
         self._trip_stale_optimizers()
         for unit in self.units:
             if unit is not self.root_unit:

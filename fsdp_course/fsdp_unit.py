@@ -8,6 +8,7 @@ computation:
                                attributes at views of it                        (forward)
   post_forward  -> reshard():  free the gathered storage for real (untyped_storage().resize_(0));
                                hook the outputs so that backward reaches pre_backward
+                               (reshard_after_forward=False: stay gathered, skip the next gather)
   pre_backward  -> unshard():  gather again: autograd's saved views see the refilled storage
   post_backward -> reduce-scatter the unit's gradient (mean over ranks) into the local shard's
                                .grad, then reshard()                            (backward)
@@ -125,6 +126,7 @@ class FSDPUnit:
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.grads_reduced = False  # this backward
+        self.reshard_after_forward = True  # False: keep the gathered parameters from forward to backward
         for h in handles:
             h.set_attributes(h.placeholders)
             if h.requires_grad:  # fires once per backward, when all of the unit's grads are summed
@@ -159,7 +161,10 @@ class FSDPUnit:
             h.set_attributes(h.layout.unflatten(h.full))
 
     def post_forward(self, outputs: Any) -> None:
-        self.reshard()
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self.reshard()
+        # else: stay gathered for backward, which needs the unit next (FSDP2 does so for its root unit:
+        # the last to run forward is the first to run backward); saves one all-gather per step
         self.training_state = TrainingState.IDLE
         register_grad_hooks(outputs, lambda: self.pre_backward())
 

@@ -12,7 +12,8 @@ sampler fixes the global batch of each step (`sampler.global_batch`: the epoch's
 order, cut into batches of `--batch-size`), each rank trains on its contiguous slice of it
 (`sampler.rank_slice`). Gradients are averaged over ranks, so every engine and every world size
 computes the step one process would on the global batch.
-  --engine ours   fsdp_course.fsdp.FSDP, one unit per TransformerEncoderLayer plus the root
+  --engine ours   fsdp_course.fsdp.FSDP, one unit per TransformerEncoderLayer plus the root, the root
+                  kept gathered from forward to backward as fully_shard keeps its root
   --engine torch  torch.distributed.fsdp.fully_shard with the same units (torch_fsdp.py), following
                   https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
   --engine ddp    fsdp_course.ddp.DDP, the whole model on every rank
@@ -135,7 +136,9 @@ def build_engine(args: argparse.Namespace, ctx: RankContext, config: Transformer
 
         # on the meta device, each rank fills its shards one piece at a time (fsdp.py, meta_init.py)
         init = (lambda m: materialize(m, args.seed)) if args.meta_init else None
-        engine: Any = FSDP(model, ctx, wrap={nn.TransformerEncoderLayer}, init=init)
+        # the root stays gathered from forward to backward, as fully_shard's root does: the same traffic
+        engine: Any = FSDP(model, ctx, wrap={nn.TransformerEncoderLayer}, init=init,
+                           reshard_root_after_forward=False)
         state = engine.full_state_dict
     else:
         from fsdp_course.ddp import DDP

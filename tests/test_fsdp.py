@@ -52,10 +52,10 @@ def reference_run(base, batches, opt_name):
     return records
 
 
-def fsdp_run(base, batches, opt_name, wrap, world_size):
+def fsdp_run(base, batches, opt_name, wrap, world_size, **fsdp_kwargs):
     """The same steps under FSDP; each rank sees its slice of every global batch."""
     def rank_fn(ctx):
-        fsdp = FSDP(copy.deepcopy(base), ctx, wrap=wrap)
+        fsdp = FSDP(copy.deepcopy(base), ctx, wrap=wrap, **fsdp_kwargs)
         opt = make_opt(opt_name, fsdp.parameters())
         n, r = ctx.world_size, ctx.rank
         records = []
@@ -417,13 +417,13 @@ def deep_mlp():
     return MLP([64] + [256] * 5 + [10])  # 4 equal 256x256 layers, small first and last
 
 
-def measured_step(wrap, world_size):
+def measured_step(wrap, world_size, **fsdp_kwargs):
     torch.manual_seed(0)
     base = deep_mlp()
     x, y = batches_for("mlp")[0]
 
     def rank_fn(ctx):
-        fsdp = FSDP(copy.deepcopy(base), ctx, wrap=wrap)
+        fsdp = FSDP(copy.deepcopy(base), ctx, wrap=wrap, **fsdp_kwargs)
         opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
         b = x.shape[0] // ctx.world_size
         xs, ys = x[ctx.rank * b:(ctx.rank + 1) * b], y[ctx.rank * b:(ctx.rank + 1) * b]
@@ -465,6 +465,61 @@ def test_traffic_is_three_psi(world_size):
     for sent, numels in [(r[2], r[3]) for r in measured_step({nn.Linear}, world_size)]:
         psi_bytes = 4 * sum(numels.values())  # padded flat parameters, fp32
         assert sent == pytest.approx(3 * psi_bytes * (world_size - 1) / world_size)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_root_kept_gathered_saves_one_gather_of_the_root(world_size):
+    """reshard_root_after_forward=False (fully_shard's root): 3 Psi (N-1)/N minus one all-gather of the root."""
+    torch.manual_seed(0)
+    base = transformer()
+    x, y = batches_for("transformer")[0]
+
+    def rank_fn(ctx):
+        sent = []
+        for keep in (False, True):
+            fsdp = FSDP(copy.deepcopy(base), ctx, wrap={nn.TransformerEncoderLayer},
+                        reshard_root_after_forward=not keep)
+            b = x.shape[0] // ctx.world_size
+            ctx.ledger.clear()
+            F.cross_entropy(fsdp(x[ctx.rank * b:(ctx.rank + 1) * b]), y[ctx.rank * b:(ctx.rank + 1) * b]).backward()
+            sent.append(ctx.ledger.total()[0])
+        return sent, fsdp.unit_numels()
+
+    for (resharded, kept), numels in run_ranks(rank_fn, world_size):
+        psi_bytes, root_bytes = 4 * sum(numels.values()), 4 * numels["root"]
+        assert root_bytes > 0
+        assert resharded == pytest.approx(3 * psi_bytes * (world_size - 1) / world_size)
+        assert kept == pytest.approx((3 * psi_bytes - root_bytes) * (world_size - 1) / world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_root_kept_gathered_is_still_one_process(world_size):
+    torch.manual_seed(0)
+    base = transformer()
+    batches = batches_for("transformer")[:3]
+    compare(reference_run(base, batches, "adamw"),
+            fsdp_run(base, batches, "adamw", {nn.TransformerEncoderLayer}, world_size,
+                     reshard_root_after_forward=False), "adamw")
+
+
+def test_root_kept_gathered_only_while_a_backward_will_come():
+    x, _ = batches_for("transformer")[0]
+
+    def rank_fn(ctx):
+        fsdp = FSDP(transformer(), ctx, wrap={nn.TransformerEncoderLayer}, reshard_root_after_forward=False)
+        root = fsdp.root_unit
+        with torch.no_grad():
+            fsdp(x)
+        after_eval = root.sharded_state
+        out = fsdp(x)
+        after_train_forward = root.sharded_state
+        out.sum().backward()
+        return after_eval, after_train_forward, root.sharded_state, [u.sharded_state for u in fsdp.units]
+
+    for eval_state, forward_state, end_state, all_states in run_ranks(rank_fn, 2):
+        assert eval_state is ShardedState.SHARDED  # no backward will come: freed at once
+        assert forward_state is ShardedState.UNSHARDED  # kept for the backward
+        assert end_state is ShardedState.SHARDED and set(all_states) == {ShardedState.SHARDED}
 
 
 def test_total_bytes_counts_only_model_state():

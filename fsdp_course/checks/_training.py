@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fsdp_course.sampler import rank_slice
+
 __all__ = ["Batch", "StepRecord", "global_batches", "local_slice", "max_rel_diff", "reference_run", "seeded_mlp"]
 
 Batch = tuple[Tensor, Tensor]
@@ -47,10 +49,9 @@ def global_batches(steps: int, batch: int, in_dim: int, classes: int, seed: int)
 
 
 def local_slice(batch: Batch, rank: int, world_size: int) -> Batch:
-    """Rank `rank`'s contiguous, equal slice of a global batch."""
+    """Rank `rank`'s contiguous, equal slice of a global batch (inputs and labels: sampler.rank_slice)."""
     x, y = batch
-    b = x.shape[0] // world_size
-    return x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+    return rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
 
 
 @dataclass
