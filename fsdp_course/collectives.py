@@ -6,9 +6,8 @@ call across ranks, runs the real collective on `ctx.group` (Gloo on CPU, NCCL on
 it in `ctx.ledger`. These are the low-level calls the article makes through JavaCPP:
 `ProcessGroupGloo.broadcast(TensorVector, BroadcastOptions)`, `allreduce`, `allgather`,
 `reduce_scatter(..., ReduceScatterOptions)`, with Python lists instead of TensorVector; for
-all_gather and reduce_scatter the one-tensor forms (`_allgather_base`, `_reduce_scatter_base`:
-what `all_gather_single` / `reduce_scatter_single` call), which skip the list form's copies and on
-Gloo run a small reduce-scatter 3x faster.
+all_gather the one-tensor form (`_allgather_base`, what `all_gather_single` calls: no list of views),
+for reduce_scatter the one-tensor form on small tensors only (measured below `reduce_scatter`).
 
 Gloo needs equal-sized chunks for all_gather and reduce_scatter, so callers pad (see flat_param).
 """
@@ -121,6 +120,17 @@ def all_gather(ctx: RankContext, tensor: torch.Tensor, out: torch.Tensor | None 
     return out
 
 
+# Gloo's two reduce-scatters, measured here (4 processes, 2 cores, median of 20-60 calls):
+#   elements        12,704   262,144   1,048,576   4,194,304   10,240,000
+#   list form       17 ms    20 ms     28 ms       51 ms       127 ms     (Gloo's reduce-scatter)
+#   one-tensor form 5.4 ms   7.3 ms    14 ms       49 ms       121 ms     (an all-reduce of a full copy)
+# The one-tensor form is 2-3x faster while latency dominates, but holds a second full-size buffer while it
+# runs (torch's MemTracker: +1 unit gradient), which at the article's size put FSDP's peak 11% above
+# fully_shard's. So on the CPU small tensors take the fast form, large ones the lean one (NCCL's
+# one-tensor form is its native reduce-scatter: always that one on GPUs).
+ONE_TENSOR_REDUCE_SCATTER_BELOW = 1 << 20
+
+
 def reduce_scatter(ctx: RankContext, tensor: torch.Tensor, op: str = "sum",
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Reduce `tensor` over all ranks, then give rank r the r-th of `world_size` equal chunks (dim 0).
@@ -144,9 +154,10 @@ def reduce_scatter(ctx: RankContext, tensor: torch.Tensor, op: str = "sum",
     sig = _begin(ctx, "reduce_scatter", [tensor], f"op={op}")
     opts = dist.ReduceScatterOptions()
     opts.reduceOp = dist.ReduceOp.SUM
-    # the one-tensor form (as all_gather above): Gloo's list form, reduce_scatter([out], [chunks]), took 3x
-    # as long on small tensors here (17 vs 5.4 ms at N=4 for 12,704 floats: a layer of the small model)
-    ctx.group._reduce_scatter_base(out, tensor, opts).wait()
+    if tensor.numel() < ONE_TENSOR_REDUCE_SCATTER_BELOW or tensor.device.type != "cpu":  # NCCL: native
+        ctx.group._reduce_scatter_base(out, tensor, opts).wait()
+    else:
+        ctx.group.reduce_scatter([out], [list(tensor.chunk(n))], opts).wait()
     if op == "mean":
         out.div_(n)
     _end(ctx, sig, tensor.numel() * tensor.element_size())

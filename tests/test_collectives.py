@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fsdp_course import run_ranks
+from fsdp_course.collectives import ONE_TENSOR_REDUCE_SCATTER_BELOW
 
 
 def rank_tensor(rank: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -57,6 +58,25 @@ def test_all_gather_into_given_buffer() -> None:
         assert values == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reduce_scatter_both_gloo_forms_agree_with_the_sum(world_size: int) -> None:
+    """Below the threshold the one-tensor form runs, above it the list form: same answer, same layout."""
+    small, large = 6 * 1000, ONE_TENSOR_REDUCE_SCATTER_BELOW + 2  # both divide by 2 and 3
+
+    def fn(ctx):
+        out = {}
+        for numel in (small, large):
+            t = torch.arange(numel, dtype=torch.int64) * (ctx.rank + 1)  # exact sums
+            out[numel] = ctx.reduce_scatter(t, out=torch.empty(numel // ctx.world_size, dtype=torch.int64))
+        return out
+
+    factor = sum(range(1, world_size + 1))
+    for rank, out in enumerate(run_ranks(fn, world_size)):
+        for numel, got in out.items():
+            chunk = numel // world_size
+            assert torch.equal(got, torch.arange(rank * chunk, (rank + 1) * chunk, dtype=torch.int64) * factor)
+
+
 @pytest.mark.parametrize("call, error, words", [
     (lambda ctx: ctx.reduce_scatter(torch.ones(5)), ValueError, "pad"),
     (lambda ctx: ctx.all_reduce(torch.ones(2), op="avg"), ValueError, "op must be one of"),
@@ -66,6 +86,7 @@ def test_all_gather_into_given_buffer() -> None:
     (lambda ctx: ctx.broadcast(torch.ones(2), src=7), ValueError, "src must be a rank"),
     (lambda ctx: ctx.all_gather(torch.tensor(1.0)), ValueError, "at least one dimension"),
     (lambda ctx: ctx.all_gather(torch.ones(2), out=torch.ones(3)), ValueError, "out must have shape"),
+    (lambda ctx: ctx.reduce_scatter(torch.ones(4), out=torch.ones(2, 2).t()[0]), ValueError, "contiguous"),
 ])
 def test_bad_input_is_a_clear_error(call, error, words) -> None:
     from fsdp_course import RankError
