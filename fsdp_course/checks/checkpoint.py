@@ -132,7 +132,9 @@ try:
     report = {{"rank": ctx.rank, "problems": compare_states(got, expected)}}
 except Exception as exc:
     report = {{"rank": ctx.rank, "error": f"{{type(exc).__name__}}: {{exc}}"}}
-print("CHECK_RESULT " + json.dumps(report), flush=True)
+# a file per rank: two processes printing to one pipe can interleave their lines
+Path({reports!r}, f"rank{{ctx.rank}}.json.tmp").write_text(json.dumps(report))
+os.replace(os.path.join({reports!r}, f"rank{{ctx.rank}}.json.tmp"), os.path.join({reports!r}, f"rank{{ctx.rank}}.json"))
 ctx.close()
 '''
 
@@ -247,9 +249,11 @@ def _check_torchrun(check: str, load: Callable, load_name: str, tmp: str) -> Non
         CheckFailure(check, where, f"the source of {load_name} cannot be found",
                      "define load in a notebook cell or a .py file: torchrun's processes run its source").fail()
     script = os.path.join(tmp, "load_under_torchrun.py")
+    reports_dir = os.path.join(tmp, "reports")
+    os.makedirs(reports_dir, exist_ok=True)
     with open(script, "w") as f:
         f.write(_SCRIPT.format(source=source, name=load.__name__, expected=os.path.join(tmp, f"expected_n{n}"),
-                               directory=os.path.join(tmp, f"ckpt_n{n}")))
+                               directory=os.path.join(tmp, f"ckpt_n{n}"), reports=reports_dir))
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
@@ -260,10 +264,10 @@ def _check_torchrun(check: str, load: Callable, load_name: str, tmp: str) -> Non
         CheckFailure(check, where, f"torchrun did not finish within {TORCHRUN_TIMEOUT:g} s",
                      f"{load_name} must not wait for anything but the files").fail()
     reports = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CHECK_RESULT "):
-            report = json.loads(line.removeprefix("CHECK_RESULT "))
-            reports[report["rank"]] = report
+    for rank in range(n):
+        path = Path(reports_dir, f"rank{rank}.json")
+        if path.exists():
+            reports[rank] = json.loads(path.read_text())
     for rank in range(n):
         report = reports.get(rank)
         if report is None:
