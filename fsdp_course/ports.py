@@ -23,7 +23,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-__all__ = ["free_port", "kernel_transport"]
+__all__ = ["free_port", "kernel_transport", "remove_kernel_dir"]
 
 _LOWEST = 20000  # below every system's ephemeral range, above the well-known and registered services in use
 _private_dir: Path | None = None
@@ -77,3 +77,12 @@ def kernel_transport() -> dict[str, str]:
         _private_dir = Path(tempfile.mkdtemp(prefix="fsdpk_"))
         atexit.register(shutil.rmtree, _private_dir, True)
     return {"transport": "ipc", "ip": str(_private_dir / uuid.uuid4().hex[:12])}
+
+
+def remove_kernel_dir() -> None:
+    """Remove `kernel_transport()`'s directory now: atexit does it too, but not in a process that ends with
+    os._exit (pytest-xdist's workers; tests/conftest.py calls this at the end of the session)."""
+    global _private_dir
+    if _private_dir is not None:
+        shutil.rmtree(_private_dir, ignore_errors=True)
+        _private_dir = None

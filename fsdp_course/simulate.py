@@ -131,6 +131,8 @@ def run_ranks(fn: Callable[[RankContext], Any], world_size: int, *, timeout: flo
     if failures:
         gc.collect()  # exceptions and their frames hold stores and groups in cycles
     shutil.rmtree(workdir, ignore_errors=True)
+    if stuck:  # a stuck rank may still write its store file: remove the directory again once it ends
+        _remove_after(workdir, [threads[r] for r in stuck])
     if failures or stuck:
         for r in stuck:
             failures[r] = CollectiveHang(f"rank {r} did not stop within {timeout:g} s after a peer failed; "
@@ -143,6 +145,15 @@ def run_ranks(fn: Callable[[RankContext], Any], world_size: int, *, timeout: flo
         shown = {r: tracebacks[r] for r in primary if r in tracebacks}
         raise RankError(primary, shown, released)
     return results
+
+
+def _remove_after(path: str, threads: list[threading.Thread]) -> None:
+    def wait_then_remove() -> None:
+        for t in threads:
+            t.join()
+        shutil.rmtree(path, ignore_errors=True)
+
+    threading.Thread(target=wait_then_remove, name="fsdp-cleanup", daemon=True).start()
 
 
 def _join(threads: list[threading.Thread], monitor: WorldMonitor) -> None:

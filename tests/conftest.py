@@ -13,7 +13,7 @@ import nbval.kernel
 import torch
 from jupyter_client.manager import KernelManager
 
-from fsdp_course.ports import kernel_transport
+from fsdp_course.ports import kernel_transport, remove_kernel_dir
 
 torch.set_num_threads(1)
 
@@ -24,3 +24,7 @@ class _SocketFileKernelManager(KernelManager):
 
 
 nbval.kernel.KernelManager = _SocketFileKernelManager  # read by nbval.kernel.start_new_kernel at each start
+
+
+def pytest_unconfigure(config: object) -> None:
+    remove_kernel_dir()  # the kernels' socket directory: xdist's workers skip atexit
