@@ -222,6 +222,10 @@ def _grade(nb: NotebookNode, job: dict[str, Any], master: bytes, tmp: Path, resu
     executor = TimedExecute(timeout=None, notebook_timeout=float(job["timeout"]),
                             max_output_chars=int(job.get("max_output_chars", 20_000)), raise_on_iopub_timeout=False)
     executor.pid_file = job.get("pid_file")
+    # The kernel's temporary files (run_ranks' stores, ...) go to a folder removed after it, also when the time
+    # limit kills the kernel before it could clean up; beside tmp, not in it (a notebook may delete '..').
+    kernel_tmp = tempfile.mkdtemp(prefix="fsdp_grade_tmp_")
+    os.environ["TMPDIR"] = kernel_tmp  # this worker process grades this one notebook
     km = kernel_manager()
     try:
         nb, _ = executor.preprocess(nb, {"metadata": {"path": str(work)}}, km=km)
@@ -229,6 +233,7 @@ def _grade(nb: NotebookNode, job: dict[str, Any], master: bytes, tmp: Path, resu
         executor.stopped = executor.stopped or f"{type(exc).__name__}: {exc}"
     finally:
         shutdown(km)
+        shutil.rmtree(kernel_tmp, ignore_errors=True)
     for index, cell in enumerate(nb.cells):
         if cell.cell_type == "code" and index not in executor.executed and not cell.get("outputs"):
             cell.outputs = [error_output(NOT_RUN, executor.stopped or "not run")]

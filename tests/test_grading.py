@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -100,12 +101,20 @@ def graded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     submissions = root / "submissions"
     _make_class(submissions)
     out = root / "grades.csv"
+    leftovers = lambda: set(Path(tempfile.gettempdir()).glob("fsdp_grade_*"))  # noqa: E731
+    before = leftovers()
     status = cli.main(["grade", str(submissions), "--out", str(out), "--solutions", str(ROOT / "solutions"),
                        "--timeout", str(TIMEOUT), "--jobs", "2"])
+    left = leftovers() - before
     with out.open() as f:
         rows = {row["student"]: row for row in csv.DictReader(f)}
     feedback = {p.stem: p.read_text() for p in (root / "grades_feedback").glob("*.txt")}
-    return {"status": status, "rows": rows, "feedback": feedback, "submissions": submissions}
+    return {"status": status, "rows": rows, "feedback": feedback, "submissions": submissions, "left": left}
+
+
+def test_grading_leaves_no_temporary_folders(graded: dict[str, object]) -> None:
+    # the jobs' folders and the kernels' TMPDIRs, also of the notebook that hangs and of the one that deletes '..'
+    assert graded["left"] == set()
 
 
 def test_one_row_and_one_feedback_file_per_student(graded: dict) -> None:
