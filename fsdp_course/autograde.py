@@ -59,6 +59,7 @@ from nbgrader.preprocessors import (
     SaveCells,
 )
 
+from fsdp_course.ports import remove_kernel_dir
 from fsdp_course.timed_execute import NOT_RUN, TimedExecute, error_output, kernel_manager, shutdown
 
 ASSIGNMENT = "fsdp-course"
@@ -234,6 +235,7 @@ def _grade(nb: NotebookNode, job: dict[str, Any], master: bytes, tmp: Path, resu
     finally:
         shutdown(km)
         shutil.rmtree(kernel_tmp, ignore_errors=True)
+        remove_kernel_dir()  # the worker's one kernel is gone; its process ends without atexit (os._exit)
     for index, cell in enumerate(nb.cells):
         if cell.cell_type == "code" and index not in executor.executed and not cell.get("outputs"):
             cell.outputs = [error_output(NOT_RUN, executor.stopped or "not run")]

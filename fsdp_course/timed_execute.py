@@ -24,7 +24,7 @@ from nbformat import NotebookNode
 from nbgrader.preprocessors import Execute
 from traitlets import Float, Integer
 
-from fsdp_course.ports import kernel_transport, remove_kernel_dir
+from fsdp_course.ports import kernel_transport
 
 __all__ = ["NOT_RUN", "TimedExecute", "error_output", "kernel_manager", "shutdown"]
 
@@ -112,11 +112,8 @@ def error_output(ename: str, evalue: str) -> NotebookNode:
 
 # -- one submission ------------------------------------------------------------------------------------
 def shutdown(km: AsyncKernelManager) -> None:
-    """Stop the kernel, then remove its socket directory (a grading worker runs one kernel, and ends without
-    atexit: multiprocessing's workers leave through os._exit)."""
     try:
         if km.has_kernel:
             run_sync(km.shutdown_kernel)(now=True)
     except Exception:  # noqa: BLE001, S110  (already gone)
         pass
-    remove_kernel_dir()

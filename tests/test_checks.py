@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference_solutions import load
+from reference_solutions import fails, load
 
 from fsdp_course import RankContext
 from fsdp_course.checks import check_all_reduce, check_ring_all_reduce, compare_tensor, format_tensor
@@ -83,12 +83,8 @@ def test_world_sizes_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
     (pads_by_rank, "every rank must pad to the same length"),
 ])
 def test_planted_mistake_fails_with_hint(fn: object, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(AssertionError) as info:
-        check_all_reduce(fn, world_sizes=(1, 2, 3))  # every planted mistake shows by world size 2
-    out = capsys.readouterr().out
+    out = fails(check_all_reduce, fn, world_sizes=(1, 2, 3), hint=hint, capsys=capsys)  # all show by N = 2
     assert "check_all_reduce FAILED at world size" in out
-    assert hint in out and hint in str(info.value)
-    assert PASSED not in out
 
 
 def test_failure_report_names_world_size_rank_tensors_and_difference(capsys: pytest.CaptureFixture[str]) -> None:
@@ -202,10 +198,8 @@ def ring_whole_tensor(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
     (uses_all_reduce, "build it from ctx.group.send and ctx.group.recv only"),
 ])
 def test_ring_planted_mistake_fails_with_hint(fn: object, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(AssertionError):
-        check_ring_all_reduce(fn, world_sizes=(1, 3))
-    out = capsys.readouterr().out
-    assert "check_ring_all_reduce FAILED at world size" in out and hint in out
+    out = fails(check_ring_all_reduce, fn, world_sizes=(1, 3), hint=hint, capsys=capsys)
+    assert "check_ring_all_reduce FAILED at world size" in out
 
 
 def test_ring_reference_passes_and_reports_traffic(capsys: pytest.CaptureFixture[str]) -> None:
@@ -215,7 +209,8 @@ def test_ring_reference_passes_and_reports_traffic(capsys: pytest.CaptureFixture
     assert "2(N-1) = 6 messages of one 16 B chunk = 96 B sent" in out
 
 
-def test_ring_stub_and_a_send_that_is_never_received(capsys: pytest.CaptureFixture[str]) -> None:
+def test_ring_stub_and_a_send_that_is_never_received(capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(NotImplementedError, match="stub is not implemented yet"):
         check_ring_all_reduce(stub, world_sizes=(2,))
 
@@ -224,13 +219,9 @@ def test_ring_stub_and_a_send_that_is_never_received(capsys: pytest.CaptureFixtu
             ctx.group.recv([torch.empty(1)], 0, 99).wait()
         return tensor
 
-    from fsdp_course.checks import collectives
+    from fsdp_course.checks import _common
 
-    old, collectives_timeout = collectives.run_checked.__defaults__, 2.0
-    collectives.run_checked.__defaults__ = (collectives_timeout,)
-    try:
-        with pytest.raises(AssertionError):
-            check_ring_all_reduce(sends_only, world_sizes=(2,))
-    finally:
-        collectives.run_checked.__defaults__ = old
+    monkeypatch.setattr(_common, "CHECK_TIMEOUT", 2.0)  # read by run_checked at each call
+    with pytest.raises(AssertionError):
+        check_ring_all_reduce(sends_only, world_sizes=(2,))
     assert "a send or recv waited for a partner that never came" in capsys.readouterr().out

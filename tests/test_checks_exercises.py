@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from reference_solutions import load
+from reference_solutions import fails, load, passes
 from torch import nn
 
 from fsdp_course import RankContext
@@ -28,25 +27,6 @@ from fsdp_course.checks import (
     check_train_step,
     check_zero_memory,
 )
-
-
-def _fails(check: Callable[..., None], *args: Any, hint: str, capsys: pytest.CaptureFixture[str],
-           **kwargs: Any) -> str:
-    with pytest.raises(AssertionError) as info:
-        check(*args, **kwargs)
-    out = capsys.readouterr().out
-    assert f"{check.__name__} FAILED at " in out
-    assert hint in out and hint in str(info.value), out
-    assert "passed" not in out.split("FAILED")[0].split("\n")[-1]
-    return out
-
-
-def _passes(check: Callable[..., None], *args: Any, capsys: pytest.CaptureFixture[str], **kwargs: Any) -> str:
-    check(*args, **kwargs)
-    out = capsys.readouterr().out
-    assert out.startswith(f"All tests in {check.__name__} passed (world sizes ")
-    return out
-
 
 # -- 02 DDP ------------------------------------------------------------------------------------------
 DDP = load("02_ddp")
@@ -79,7 +59,7 @@ def new_parameters(ctx: RankContext, model: nn.Module) -> None:
     (new_parameters, "copy into the existing parameters in place"),
 ])
 def test_broadcast_planted(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    _fails(check_broadcast_parameters, fn, world_sizes=(2,), hint=hint, capsys=capsys)
+    fails(check_broadcast_parameters, fn, world_sizes=(2,), hint=hint, capsys=capsys)
 
 
 def sum_hooks(ctx: RankContext, model: nn.Module) -> None:
@@ -102,8 +82,8 @@ def returning_post_hook(ctx: RankContext, model: nn.Module) -> None:
 
 
 def test_ddp_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
-    _passes(check_broadcast_parameters, DDP["broadcast_parameters"], capsys=capsys)
-    out = _passes(check_ddp, DDP["broadcast_parameters"], DDP["add_gradient_hooks"], capsys=capsys)
+    passes(check_broadcast_parameters, DDP["broadcast_parameters"], capsys=capsys)
+    out = passes(check_ddp, DDP["broadcast_parameters"], DDP["add_gradient_hooks"], capsys=capsys)
     assert "every rank's gradients and parameters equal one process's" in out
 
 
@@ -114,12 +94,12 @@ def test_ddp_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
     (returning_post_hook, "a post-accumulate-grad hook must return None"),
 ])
 def test_ddp_planted(hooks: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    out = _fails(check_ddp, DDP["broadcast_parameters"], hooks, world_sizes=(1, 2), hint=hint, capsys=capsys)
+    out = fails(check_ddp, DDP["broadcast_parameters"], hooks, world_sizes=(1, 2), hint=hint, capsys=capsys)
     assert "FAILED at world size" in out
 
 
 def test_ddp_without_broadcast_says_so(capsys: pytest.CaptureFixture[str]) -> None:
-    _fails(check_ddp, no_broadcast, DDP["add_gradient_hooks"], world_sizes=(2,),
+    fails(check_ddp, no_broadcast, DDP["add_gradient_hooks"], world_sizes=(2,),
            hint="(check_broadcast_parameters shows more)", capsys=capsys)
 
 
@@ -162,7 +142,7 @@ def no_dict(numel: int, world_size: int, stage: int) -> float:
 
 
 def test_zero_memory_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
-    out = _passes(check_zero_memory, zero_memory, capsys=capsys)
+    out = passes(check_zero_memory, zero_memory, capsys=capsys)
     assert "ZeRO-3/FSDP   4           2,720       2,724" in out
 
 
@@ -175,7 +155,7 @@ def test_zero_memory_reference_passes(capsys: pytest.CaptureFixture[str]) -> Non
     (no_dict, "return a dict with the keys"),
 ])
 def test_zero_memory_planted(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    _fails(check_zero_memory, fn, hint=hint, capsys=capsys)
+    fails(check_zero_memory, fn, hint=hint, capsys=capsys)
 
 
 def test_zero_memory_stub() -> None:
@@ -223,7 +203,7 @@ def no_offset(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.T
 
 
 def test_flat_param_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
-    out = _passes(check_flat_param, *FLAT_FNS, capsys=capsys)
+    out = passes(check_flat_param, *FLAT_FNS, capsys=capsys)
     assert "32 elements padded to 33, shards (0, 11), (11, 22), (22, 33)" in out
 
 
@@ -239,7 +219,7 @@ def test_flat_param_reference_passes(capsys: pytest.CaptureFixture[str]) -> None
 def test_flat_param_planted(index: int, fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
     fns = list(FLAT_FNS)
     fns[index] = fn
-    _fails(check_flat_param, *fns, hint=hint, capsys=capsys)
+    fails(check_flat_param, *fns, hint=hint, capsys=capsys)
 
 
 def test_flat_param_stub() -> None:
@@ -291,7 +271,7 @@ class FullGradInShard(Unit):
 
 
 def test_fsdp_unit_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
-    out = _passes(check_fsdp_unit, Unit, capsys=capsys)
+    out = passes(check_fsdp_unit, Unit, capsys=capsys)
     assert "after each unit's forward and after backward, the gathered parameters were freed" in out
 
 
@@ -304,7 +284,7 @@ def test_fsdp_unit_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
     (FullGradInShard, "self.shard.grad must have the shard's shape"),
 ])
 def test_fsdp_unit_planted(cls: type, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    _fails(check_fsdp_unit, cls, world_sizes=(2,), hint=hint, capsys=capsys)
+    fails(check_fsdp_unit, cls, world_sizes=(2,), hint=hint, capsys=capsys)
 
 
 def test_fsdp_unit_stub() -> None:
@@ -337,7 +317,7 @@ def load_as_double(ctx: RankContext, directory: str) -> dict[str, torch.Tensor]:
 
 
 def test_checkpoint_reference_passes_in_threads(capsys: pytest.CaptureFixture[str]) -> None:
-    _passes(check_sharded_checkpoint, CKPT["save_sharded"], CKPT["load_sharded"], torchrun=False, capsys=capsys)
+    passes(check_sharded_checkpoint, CKPT["save_sharded"], CKPT["load_sharded"], torchrun=False, capsys=capsys)
 
 
 @pytest.mark.parametrize(("save", "load_fn", "hint"), [
@@ -346,7 +326,7 @@ def test_checkpoint_reference_passes_in_threads(capsys: pytest.CaptureFixture[st
     (CKPT["save_sharded"], load_as_double, "exp_avg.0: torch.float64 (377,), saved torch.float32 (377,)"),
 ])
 def test_checkpoint_planted(save: Callable, load_fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    _fails(check_sharded_checkpoint, save, load_fn, world_sizes=(2,), torchrun=False, hint=hint, capsys=capsys)
+    fails(check_sharded_checkpoint, save, load_fn, world_sizes=(2,), torchrun=False, hint=hint, capsys=capsys)
 
 
 def load_with_outside_helper(ctx: RankContext, directory: str) -> dict[str, torch.Tensor]:
@@ -355,7 +335,7 @@ def load_with_outside_helper(ctx: RankContext, directory: str) -> dict[str, torc
 
 def test_checkpoint_loaded_by_torchrun_processes(capsys: pytest.CaptureFixture[str]) -> None:
     """The torchrun half: the load function runs by its source in two fresh processes (here it needs a helper)."""
-    out = _fails(check_sharded_checkpoint, CKPT["save_sharded"], load_with_outside_helper, world_sizes=(2,),
+    out = fails(check_sharded_checkpoint, CKPT["save_sharded"], load_with_outside_helper, world_sizes=(2,),
                  hint="runs in a fresh process", capsys=capsys)
     assert "FAILED at world size 2, loaded by torchrun" in out
     assert "NameError: name 'CKPT' is not defined" in out
@@ -401,7 +381,7 @@ def right_norm_own_scale(ctx: RankContext, shards: list[torch.Tensor], max_norm:
 
 
 def test_clip_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
-    _passes(check_clip_grad_norm, PIT["clip_grad_norm_sharded"], capsys=capsys)
+    passes(check_clip_grad_norm, PIT["clip_grad_norm_sharded"], capsys=capsys)
 
 
 @pytest.mark.parametrize(("fn", "hint"), [
@@ -412,11 +392,11 @@ def test_clip_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
     (right_norm_own_scale, "rank 0 scaled by max_norm / its own norm"),
 ])
 def test_clip_planted(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    _fails(check_clip_grad_norm, fn, world_sizes=(2,), hint=hint, capsys=capsys)
+    fails(check_clip_grad_norm, fn, world_sizes=(2,), hint=hint, capsys=capsys)
 
 
 def test_clip_scaling_below_max_norm_is_caught(capsys: pytest.CaptureFixture[str]) -> None:
-    _fails(check_clip_grad_norm, always_scales, world_sizes=(1,), hint="clip only when it exceeds it", capsys=capsys)
+    fails(check_clip_grad_norm, always_scales, world_sizes=(1,), hint="clip only when it exceeds it", capsys=capsys)
 
 
 def buggy_step(ctx: RankContext, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
@@ -455,7 +435,7 @@ def local_loss_step(ctx: RankContext, model: nn.Module, optimizer: torch.optim.O
 
 
 def test_train_step_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
-    _passes(check_train_step, PIT["train_step"], capsys=capsys)
+    passes(check_train_step, PIT["train_step"], capsys=capsys)
 
 
 @pytest.mark.parametrize(("fn", "hint"), [
@@ -464,5 +444,5 @@ def test_train_step_reference_passes(capsys: pytest.CaptureFixture[str]) -> None
     (local_loss_step, "rank 0 returned its own slice's loss"),
 ])
 def test_train_step_planted(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    out = _fails(check_train_step, fn, world_sizes=(1, 2), hint=hint, capsys=capsys)
+    out = fails(check_train_step, fn, world_sizes=(1, 2), hint=hint, capsys=capsys)
     assert "world size 2, rank 0, step 1" in out

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_course.checks._training import local_slice
 from fsdp_course.data import digits_tokens, digits_vectors
 from fsdp_course.fsdp import FSDP, ShardedState, TrainingState
 from fsdp_course.memory import attach, total_bytes
@@ -211,8 +212,17 @@ def test_frozen_and_unused_parameters(opt_name):
     results = fsdp_run(base, batches, opt_name, {nn.Linear}, 2)
     last = results[0][-1]
     assert torch.equal(last[2]["frozen.weight"], base.frozen.weight)  # frozen: never moves
-    assert "frozen.weight" not in last[1]  # and has no gradient
-    assert last[1]["skipped.weight"].abs().max() == 0  # unused: zero gradient
+
+    def shard_grads(ctx):
+        fsdp = FSDP(copy.deepcopy(base), ctx, wrap={nn.Linear})
+        x, y = local_slice(batches[0], ctx.rank, ctx.world_size)
+        F.cross_entropy(fsdp(x), y).backward()
+        return {u.label: [h.shard.grad for h in u.handles] for u in fsdp.units}
+
+    for grads in run_ranks(shard_grads, 2):
+        assert all(g is None for g in grads["frozen"])  # frozen: no gradient at all
+        assert all(g is None for g in grads["skipped"])  # unused on every rank: None, as on one process
+        assert all(g is not None for g in grads["mid"] + grads["out"])
     if opt_name == "sgd":
         assert torch.equal(last[2]["skipped.weight"], base.skipped.weight)
 

@@ -92,7 +92,7 @@ def _stub_name(exc: BaseException, default: str) -> str:
 
 def run_checked(check: str, name: str, fn: Callable[[RankContext], Any], world_size: int,
                 where: Callable[[int], str], hint_for: Callable[[BaseException], str],
-                timeout: float = CHECK_TIMEOUT) -> list[Any]:
+                timeout: float | None = None) -> list[Any]:
     """`run_ranks(fn, world_size)`, turning failures into a learner-facing report.
 
     `name` is the learner's function; `where(rank)` says which case that rank was in when it
@@ -100,7 +100,7 @@ def run_checked(check: str, name: str, fn: Callable[[RankContext], Any], world_s
     Raises NotImplementedError if every failing rank is still at a stub, else AssertionError.
     """
     try:
-        return run_ranks(fn, world_size, timeout=timeout)
+        return run_ranks(fn, world_size, timeout=CHECK_TIMEOUT if timeout is None else timeout)
     except RankError as err:
         failures = err.failures
         if all(isinstance(e, NotImplementedError) for e in failures.values()):

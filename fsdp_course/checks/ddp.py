@@ -66,8 +66,7 @@ def _broadcast_problem(rank: int, name: str, got: torch.Tensor, models: list[nn.
     return problem, "broadcast copies rank 0's tensor into the same tensor on every rank: ctx.broadcast(p.data, src=0)"
 
 
-def _run_broadcast(check: str, name: str, fn: Callable[[RankContext, nn.Module], Any], n: int,
-                   hooks: Callable[[RankContext, nn.Module], Any] | None = None) -> list[Any]:
+def _run_broadcast(check: str, name: str, fn: Callable[[RankContext, nn.Module], Any], n: int) -> None:
     models = _rank_models(n)
 
     def body(ctx: RankContext) -> list[tuple[str, torch.Tensor, bool]]:
@@ -91,7 +90,6 @@ def _run_broadcast(check: str, name: str, fn: Callable[[RankContext, nn.Module],
             if not close(got, dict(models[0].named_parameters())[pname].detach(), 0.0):
                 problem, hint = _broadcast_problem(rank, pname, got, models)
                 CheckFailure(check, f"world size {n}", problem, hint).fail()
-    return per_rank
 
 
 def check_broadcast_parameters(fn: Callable[[RankContext, nn.Module], Any],
