@@ -102,8 +102,7 @@ def _worker(job_file: str) -> None:
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the kernels of several workers share the cores
-    from fsdp_course import autograde
+    from fsdp_course import autograde  # main() limits OMP_NUM_THREADS: several workers' kernels share the cores
 
     autograde.main([job_file])
 

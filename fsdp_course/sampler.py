@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Sampler
 
-__all__ = ["DistributedSampler", "global_batch", "global_batches", "rank_slice"]
+__all__ = ["DistributedSampler", "epoch_order", "global_batch", "global_batches", "rank_slice"]
 
 
 def _length(dataset: Sized | int) -> int:
@@ -38,6 +38,16 @@ def _length(dataset: Sized | int) -> int:
     if n < 0:
         raise ValueError(f"dataset size must be >= 0, got {n}")
     return n
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> Tensor:
+    """The global order of one epoch, (n,) indices: torch.randperm(n) from a generator seeded seed + epoch
+    (torch's DistributedSampler draws it so), or 0..n-1 without shuffling. The sampler and global_batches share it."""
+    if not shuffle:
+        return torch.arange(n)
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=g)
 
 
 class DistributedSampler(Sampler[int]):
@@ -82,13 +92,7 @@ class DistributedSampler(Sampler[int]):
 
     def all_indices(self) -> list[int]:
         """The padded (or cut) global order of this epoch, before it is split among ranks."""
-        n = self.dataset_size
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            indices = torch.randperm(n, generator=g).tolist()
-        else:
-            indices = list(range(n))
+        indices = epoch_order(self.dataset_size, self.seed, self.epoch, self.shuffle).tolist()
         if self.drop_last:
             return indices[: self.total_size]
         # pad by going round again from the start, as the article's while loop does
@@ -130,13 +134,7 @@ def global_batches(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if shuffle:
-        g = torch.Generator()
-        g.manual_seed(seed + epoch)
-        order = torch.randperm(n, generator=g)
-    else:
-        order = torch.arange(n)
-    batches = list(torch.split(order, batch_size))
+    batches = list(torch.split(epoch_order(n, seed, epoch, shuffle), batch_size))
     if drop_last and batches and len(batches[-1]) < batch_size:
         batches.pop()
     return batches

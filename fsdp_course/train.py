@@ -178,7 +178,7 @@ def accuracy(engine: Engine, ctx: RankContext, x: torch.Tensor, y: torch.Tensor,
     """Held-out accuracy: each rank scores one slice, in chunks of `chunk` images, the counts summed over ranks.
 
     Every rank runs the same number of forwards (FSDP gathers in each), an empty chunk included."""
-    xs, ys = torch.tensor_split(x, ctx.world_size)[ctx.rank], torch.tensor_split(y, ctx.world_size)[ctx.rank]
+    xs, ys = (rank_slice(t, ctx.rank, ctx.world_size, allow_uneven=True) for t in (x, y))
     n_chunks = math.ceil(math.ceil(len(x) / ctx.world_size) / chunk)  # equal on every rank
     correct = torch.zeros((), dtype=torch.long, device=ctx.device)
     for xc, yc in zip(torch.tensor_split(xs, n_chunks), torch.tensor_split(ys, n_chunks), strict=True):
