@@ -17,5 +17,6 @@ if __name__ == "__main__":
     ctx = RankContext.from_env(timeout=30)
     try:
         print(f"RESULT rank={ctx.rank} world={ctx.world_size} {hello(ctx)} ledger={len(ctx.ledger)}", flush=True)
+        ctx.barrier()  # leave together: a rank that exits while a peer still talks can abort that peer
     finally:
         ctx.close()

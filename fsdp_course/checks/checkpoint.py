@@ -135,6 +135,7 @@ except Exception as exc:
 # a file per rank: two processes printing to one pipe can interleave their lines
 Path({reports!r}, f"rank{{ctx.rank}}.json.tmp").write_text(json.dumps(report))
 os.replace(os.path.join({reports!r}, f"rank{{ctx.rank}}.json.tmp"), os.path.join({reports!r}, f"rank{{ctx.rank}}.json"))
+ctx.barrier()  # leave together: a rank that exits while a peer still talks can abort that peer
 ctx.close()
 '''
 
