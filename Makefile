@@ -1,15 +1,28 @@
 # fsdp-course: two commands do all the set-up on a fresh machine.
 #   make lab    create .venv if missing, install, open JupyterLab on lesson 00
-#   make test   create .venv if missing, install, run ruff, the unit tests and nbval on the notebooks
-PYTHON ?= python3.11
+#   make test   create .venv if missing, install, run ruff, the unit tests and nbval on the notebooks, then nbval
+#               once more under other numerics (the portability pass: what another student's CPU computes)
+# Python: the first of python3, python3.14 ... python3.10 that torch 2.13 has wheels for (3.10-3.14);
+# choose one with `make PYTHON=/path/to/python3.12 ...`.
+PYTHON_CANDIDATES := python3 python3.14 python3.13 python3.12 python3.11 python3.10
+PYTHON_OK := import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 14))
+PYTHON ?= $(firstword $(foreach p,$(PYTHON_CANDIDATES),$(shell command -v $(p) >/dev/null 2>&1 && $(p) -c '$(PYTHON_OK)' 2>/dev/null && echo $(p))))
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=240 --nbval-sanitize-with tests/sanitize.cfg
+# Another machine's numerics, reproduced here: PyTorch's portable kernels instead of this CPU's vector ones,
+# MKL's CPU-independent code path, and one intra-op thread instead of one per core. nbval's kernels inherit them.
+PORTABLE_ENV := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1
 
-.PHONY: lab test exercises lint clean-venv
+.PHONY: lab test test-portable notebooks exercises lint clean-venv
 
 $(BIN)/python:
-	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "Python 3.11 is needed: install it, or run 'make PYTHON=/path/to/python3.11 ...'"; exit 1; }
+	@test -n "$(PYTHON)" || { echo "No suitable Python found (looked for: $(PYTHON_CANDIDATES)). torch 2.13 needs" \
+		"Python 3.10 to 3.14: install one, or run 'make PYTHON=/path/to/python3.12 ...'."; exit 1; }
+	@$(PYTHON) -c '$(PYTHON_OK)' || { echo "$(PYTHON) is not Python 3.10 to 3.14, which torch 2.13 needs:" \
+		"run 'make PYTHON=/path/to/python3.12 ...'."; exit 1; }
+	@echo "Creating $(VENV) with $$(command -v $(PYTHON)) (Python $$($(PYTHON) -c 'import platform; print(platform.python_version())'))"
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(BIN)/python pyproject.toml
@@ -27,10 +40,15 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	@# build matplotlib's font cache first: its one-time warning would otherwise land in a notebook cell
 	$(BIN)/python -c "import matplotlib.font_manager"
-	$(BIN)/python -m pytest -n 2 --dist loadfile \
-		--nbval --nbval-current-env --nbval-cell-timeout=240 \
-		--nbval-sanitize-with tests/sanitize.cfg \
-		tests lessons solutions
+	$(BIN)/python -m pytest -n 2 --dist loadfile $(NBVAL) tests lessons solutions
+	$(MAKE) --no-print-directory test-portable
+
+test-portable: $(STAMP)
+	$(PORTABLE_ENV) $(BIN)/python -m pytest -n 2 --dist loadfile $(NBVAL) lessons solutions
+
+# Authors: re-run every lesson and solution in a fresh kernel and save it with its outputs.
+notebooks: $(STAMP)
+	$(BIN)/python -m fsdp_course.notebooks run lessons/*.ipynb solutions/*.ipynb
 
 exercises: $(STAMP)
 	$(BIN)/python -m fsdp_course.exercises generate

@@ -1,0 +1,73 @@
+"""Run course notebooks top to bottom in a fresh kernel and save them with their outputs (for authors).
+
+    python -m fsdp_course.notebooks run lessons/06_fsdp.ipynb solutions/06_fsdp.ipynb
+    make notebooks                      # every lesson and solution
+
+Each notebook runs in its own new kernel (the `python3` kernel of this environment, on Unix-domain
+sockets: `ports.kernel_transport`) with the notebook's folder as working directory, as nbval runs it;
+a cell that raises stops the run unless it is tagged `raises-exception`, and nothing is written then.
+Execution timestamps are dropped and the JSON is written the way nbformat writes it, so re-running an
+unchanged notebook changes only what its cells print.
+
+Saved outputs are claims that nbval re-checks on other machines (README, "Notebooks are claims"), so
+before saving, run the notebook under other numerics too, for example:
+
+    ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 make test-portable
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from jupyter_client.manager import KernelManager
+from nbclient import NotebookClient
+
+from fsdp_course.ports import kernel_transport
+
+__all__ = ["main", "run_notebook"]
+
+_VOLATILE_CELL_METADATA = ("execution", "collapsed", "scrolled")
+
+
+def run_notebook(path: Path, *, timeout: float = 240.0) -> float:
+    """Execute `path` in a fresh kernel and write it back with its outputs; returns the seconds it took."""
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    km = KernelManager(kernel_name="python3", **kernel_transport())
+    started = time.perf_counter()
+    NotebookClient(nb, km=km, timeout=int(timeout), allow_errors=False,
+                   resources={"metadata": {"path": str(path.resolve().parent)}}).execute()
+    seconds = time.perf_counter() - started
+    for cell in nb.cells:
+        for key in _VOLATILE_CELL_METADATA:
+            cell.metadata.pop(key, None)
+    path.write_text(nbformat.writes(nb, version=4).rstrip("\n") + "\n", encoding="utf-8")
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fsdp_course.notebooks", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="execute notebooks in fresh kernels and save them with outputs")
+    run.add_argument("notebooks", nargs="+", type=Path)
+    run.add_argument("--timeout", type=float, default=240.0, help="seconds per cell (default 240)")
+    args = parser.parse_args(argv)
+    missing = [str(p) for p in args.notebooks if not p.is_file() or p.suffix != ".ipynb"]
+    if missing:
+        parser.error(f"not a notebook file: {', '.join(missing)}")
+    for path in args.notebooks:
+        try:
+            seconds = run_notebook(path, timeout=args.timeout)
+        except Exception as err:  # nbclient's CellExecutionError carries the cell's traceback
+            print(f"{path}: FAILED, not saved\n{err}", file=sys.stderr)
+            return 1
+        print(f"{path}: saved ({seconds:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
