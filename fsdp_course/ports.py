@@ -81,7 +81,7 @@ def kernel_transport() -> dict[str, str]:
 
 def remove_kernel_dir() -> None:
     """Remove `kernel_transport()`'s directory now: atexit does it too, but not in a process that ends with
-    os._exit: pytest-xdist's workers (tests/conftest.py calls this at the end of the session) and the
+    os._exit: pytest-xdist's workers (conftest.py calls this at the end of the session) and the
     grader's (autograde, after its one kernel). Only once no kernel of this process needs its sockets."""
     global _private_dir
     if _private_dir is not None:

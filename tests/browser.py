@@ -94,7 +94,7 @@ class CourseLab:
         cmd = lab_command(self.root, port=self.port, token=self.token, open_browser=False,
                           default_url="/lab", expose_app=True)
         # kernels on Unix sockets in a short private runtime dir: no TCP port to lose to a Gloo socket
-        # of the notebook another pytest worker runs (see tests/conftest.py)
+        # of the notebook another pytest worker runs (see conftest.py)
         cmd.append("--KernelManager.transport=ipc")
         env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(self.runtime)}
         self.server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -1,5 +1,8 @@
 """Test-session settings: one intra-op thread per process, and nbval's kernels on Unix sockets.
 
+At the repository root so that it applies to every pytest run, also `pytest --nbval lessons solutions` alone
+(the portability pass of `make test`), not only to runs that collect tests/.
+
 Rank threads share torch's intra-op thread pool; with two pytest workers on two cores, extra
 intra-op threads only fight each other (a one-process reference run went from 0.07 s to 2.6 s).
 
