@@ -39,8 +39,12 @@ def run_notebook(path: Path, *, timeout: float = 240.0) -> float:
     nb = nbformat.read(path, as_version=4)
     km = KernelManager(kernel_name="python3", **kernel_transport())
     started = time.perf_counter()
-    NotebookClient(nb, km=km, timeout=int(timeout), allow_errors=False,
-                   resources={"metadata": {"path": str(path.resolve().parent)}}).execute()
+    try:
+        NotebookClient(nb, km=km, timeout=int(timeout), allow_errors=False,
+                       resources={"metadata": {"path": str(path.resolve().parent)}}).execute()
+    finally:
+        if km.has_kernel:  # a kernel manager passed in is ours to stop: nbclient leaves it running
+            km.shutdown_kernel(now=True)
     seconds = time.perf_counter() - started
     for cell in nb.cells:
         for key in _VOLATILE_CELL_METADATA:

@@ -57,9 +57,17 @@ class RankError(RuntimeError):
             parts.append(f"{who} failed with {text}")
         super().__init__("\n".join(parts))
         for rank in sorted(tracebacks):
-            self.add_note(f"--- traceback of rank {rank} ---\n{tracebacks[rank].rstrip()}")
+            _add_note(self, f"--- traceback of rank {rank} ---\n{tracebacks[rank].rstrip()}")
         if released:
-            self.add_note(f"rank(s) {', '.join(map(str, released))} were released when a peer failed")
+            _add_note(self, f"rank(s) {', '.join(map(str, released))} were released when a peer failed")
+
+
+def _add_note(exc: BaseException, text: str) -> None:
+    """`exc.add_note(text)` (Python 3.11+); on 3.10 the same `__notes__` list, which IPython shows too."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(text)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), text]
 
 
 def _validate(fn: object, world_size: object, timeout: object) -> None:

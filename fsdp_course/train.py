@@ -158,7 +158,8 @@ def build_engine(args: argparse.Namespace, ctx: RankContext, config: Transformer
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
 def memory_tracker(engine: Engine, optimizer: torch.optim.Optimizer) -> Any:
