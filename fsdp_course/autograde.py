@@ -10,11 +10,17 @@ directory:
 - sanitize: `ClearOutput`, `DeduplicateIds`, `OverwriteKernelspec`, `OverwriteCells` (with
   `add_missing_cells`: a deleted checker comes back; an edited or emptied one is put back by its
   checksum), `CheckCellMetadata`;
-- execute: nbgrader's `Execute` in a fresh kernel of this Python, in a private temporary directory
-  holding only a copy of the notebook, extended (timed_execute.py) with one time limit for the whole
-  notebook and a cap on each cell's output; then `LimitOutput`;
-- score: `SaveAutoGrades` into a fresh copy of the gradebook (nbgrader's `determine_grade`: a checker
-  cell with an error, or with output on stderr, scores 0), read back per checker cell.
+- execute: nbgrader's `Execute` in a fresh kernel of this Python, extended (timed_execute.py) with one
+  time limit for the whole notebook and a cap on each cell's output; then `LimitOutput`. The kernel runs
+  in the job's sandbox folder: its cwd `SANDBOX/work/NN_topic` holds only a copy of the notebook, its `TMPDIR` is
+  `SANDBOX/tmp`, its environment names no other folder of the grader's (PWD is dropped); its connection
+  file and sockets are in the job's private folder. When the notebook ends, the kernel and every
+  process below this one are killed, also those started in a new session;
+- score: `SaveAutoGrades` into this process's copy of the gradebook (nbgrader's `determine_grade`: a
+  checker cell with an error, or with output on stderr, scores 0), read back per checker cell.
+
+The gradebook is an in-memory SQLite database of this process, loaded from SQL text
+(`gradebook_sql`): while students' code runs, no gradebook file exists that a notebook could find.
 
 Four steps are added, each for a case nbgrader leaves open: a cell that names no cell of this
 exercise loses its nbgrader metadata (SaveAutoGrades would crash on it); the exercise's cells get
@@ -24,21 +30,26 @@ checker cell moved above the cells it checks is moved back below them; and cells
 "no error". If `add_missing_cells` cannot place a deleted checker (nbgrader puts it after the cell
 before it, which may be gone too), the missing checkers go at the end.
 
-Usage (grading.py runs it in one worker process per notebook; by hand: `python -m
-fsdp_course.autograde JOB.json`): the job names the submission, its exercise, the gradebook, the time
-limit and where to write the result (JSON). Everything that can go wrong is caught and reported in it.
+Usage (grading.py runs `grade_notebook` in one worker process per notebook, each a process of its own: it
+kills its own child processes; by hand: `python -m fsdp_course.autograde JOB.json`): the job names the
+submission, its exercise, the gradebook file, the time limit and where to write the result (JSON).
+Everything that can go wrong is caught and reported in it: the notebook's problems as its status, the
+grader's own as status `grader-error`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
-import shutil
+import sqlite3
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +70,12 @@ from nbgrader.preprocessors import (
     SaveCells,
 )
 
-from fsdp_course.ports import remove_kernel_dir
-from fsdp_course.timed_execute import NOT_RUN, TimedExecute, error_output, kernel_manager, shutdown
+from fsdp_course.timed_execute import NOT_RUN, TimedExecute, error_output, kernel_manager, kill_tree, shutdown
 
 ASSIGNMENT = "fsdp-course"
 
-__all__ = ["ASSIGNMENT", "build_gradebook", "cell_order", "exercise_ids", "grade_notebook", "main"]
+__all__ = ["ASSIGNMENT", "build_gradebook", "cell_order", "exercise_ids", "grade_notebook", "gradebook_sql",
+           "main"]
 
 
 def _ensure_alembic_on_path() -> None:
@@ -87,6 +98,24 @@ def build_gradebook(solutions: Sequence[Path], db_path: Path) -> dict[str, float
             nb, resources = pp.preprocess(nb, resources)
     with Gradebook(db_url) as gb:
         return {nb.name: float(nb.max_score) for nb in gb.find_assignment(ASSIGNMENT).notebooks}
+
+
+def gradebook_sql(db_path: Path) -> str:
+    """A gradebook file as SQL text, what `grade_notebook` takes (each worker loads it into memory)."""
+    with closing(sqlite3.connect(db_path)) as con:
+        return "\n".join(con.iterdump())
+
+
+@contextmanager
+def _memory_gradebook(sql: str) -> Iterator[str]:
+    """This process's own in-memory copy of the gradebook, for the block; yields its URL for nbgrader."""
+    name = f"fsdp_gradebook_{uuid.uuid4().hex}"
+    keeper = sqlite3.connect(f"file:{name}?mode=memory&cache=shared", uri=True)  # the database lives while
+    try:  # a connection to it is open
+        keeper.executescript(sql)
+        yield f"sqlite:///file:{name}?mode=memory&cache=shared&uri=true"
+    finally:
+        keeper.close()
 
 
 def exercise_ids(db_url: str) -> dict[str, dict[str, Any]]:
@@ -173,13 +202,29 @@ def _sanitize(nb: NotebookNode, exercise: str, db_url: str, info: dict[str, Any]
     return notes
 
 
-def grade_notebook(job: dict[str, Any]) -> dict[str, Any]:
-    """Grade `job["submission"]` as exercise `job["exercise"]`; never raises: problems become the status."""
+def _adopt_orphans() -> None:
+    """Linux: a process whose parent ends (a notebook's double-forked daemon) becomes this process's child, not
+    init's, so that `kill_tree` below still finds it. Elsewhere nothing happens."""
+    try:
+        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def _kernel_env(tmpdir: Path) -> dict[str, str]:
+    """This process's environment less the grader's working folder, with the sandbox's TMPDIR."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PWD", "OLDPWD")}
+    env.setdefault("OMP_NUM_THREADS", "1")  # several kernels share the machine's cores
+    env.setdefault("MPLBACKEND", "Agg")
+    return {**env, "TMPDIR": str(tmpdir)}  # the kernel's temporary files (run_ranks' stores...) stay in the sandbox
+
+
+def grade_notebook(job: dict[str, Any], gradebook: str) -> dict[str, Any]:
+    """Grade `job["submission"]` as exercise `job["exercise"]` against `gradebook` (SQL text); never raises.
+    The kernel runs in the folder `job["sandbox"]`; its connection file goes to `job["private"]`."""
     started = time.monotonic()
     exercise = job["exercise"]
     result: dict[str, Any] = {"exercise": exercise, "status": "ok", "notes": [], "checks": [], "errors": []}
-    master = Path(job["gradebook"]).read_bytes()  # the worker's own copies: the notebook may delete files
-    tmp = Path(tempfile.mkdtemp(prefix="fsdp_grade_job_"))
     try:
         text = Path(job["submission"]).read_bytes().decode("utf-8")
         nb = nbformat.reads(text, as_version=4)
@@ -187,25 +232,20 @@ def grade_notebook(job: dict[str, Any]) -> dict[str, Any]:
             raise ValueError("no list of cells")
     except Exception as exc:  # noqa: BLE001
         result.update(status="invalid", notes=[f"not a readable notebook ({type(exc).__name__}: {exc})"[:300]])
-        shutil.rmtree(tmp, ignore_errors=True)
         return result
     try:
-        return _grade(nb, job, master, tmp, result, started)
+        with _memory_gradebook(gradebook) as db_url:
+            return _grade(nb, job, db_url, result, started)
     except Exception as exc:  # noqa: BLE001  (a grader problem: reported, never silent)
-        result["status"] = "error"
+        result["status"] = "grader-error"
         result["notes"].append(f"grading failed: {type(exc).__name__}: {exc}"[:500])
         result["traceback"] = traceback.format_exc()[-3000:]
         return result
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _grade(nb: NotebookNode, job: dict[str, Any], master: bytes, tmp: Path, result: dict[str, Any],
+def _grade(nb: NotebookNode, job: dict[str, Any], db_url: str, result: dict[str, Any],
            started: float) -> dict[str, Any]:
     exercise, student = job["exercise"], job["student"]
-    db = tmp / "gradebook.db"
-    db.write_bytes(master)
-    db_url = f"sqlite:///{db}"
     infos = exercise_ids(db_url)
     info = dict(infos[exercise], order=job["order"][exercise])
     present = {_nbgrader_id(c) for c in nb.cells} - {None}
@@ -215,33 +255,29 @@ def _grade(nb: NotebookNode, job: dict[str, Any], master: bytes, tmp: Path, resu
         result.update(status="invalid", notes=[f"not exercise {exercise}: {why}"])
         return result
     result["notes"] += _sanitize(nb, exercise, db_url, info)
-    db.unlink()
 
-    work = tmp / "work"
-    work.mkdir()
-    nbformat.write(nb, work / f"{exercise}.ipynb")  # the temporary copy the kernel runs beside
+    # a level down, so that a notebook that deletes '..' (its work folder) keeps its TMPDIR
+    work, tmpdir = Path(job["sandbox"]) / "work" / exercise, Path(job["sandbox"]) / "tmp"
+    work.mkdir(parents=True)
+    tmpdir.mkdir()
+    nbformat.write(nb, work / f"{exercise}.ipynb")  # the copy the kernel runs beside (it runs the one in memory)
     executor = TimedExecute(timeout=None, notebook_timeout=float(job["timeout"]),
                             max_output_chars=int(job.get("max_output_chars", 20_000)), raise_on_iopub_timeout=False)
-    executor.pid_file = job.get("pid_file")
-    # The kernel's temporary files (run_ranks' stores, ...) go to a folder removed after it, also when the time
-    # limit kills the kernel before it could clean up; beside tmp, not in it (a notebook may delete '..').
-    kernel_tmp = tempfile.mkdtemp(prefix="fsdp_grade_tmp_")
-    os.environ["TMPDIR"] = kernel_tmp  # this worker process grades this one notebook
-    km = kernel_manager()
+    executor.kernel_env = _kernel_env(tmpdir)
+    _adopt_orphans()
+    km = kernel_manager(Path(job["private"]))
     try:
         nb, _ = executor.preprocess(nb, {"metadata": {"path": str(work)}}, km=km)
     except Exception as exc:  # noqa: BLE001  (e.g. the kernel never started)
         executor.stopped = executor.stopped or f"{type(exc).__name__}: {exc}"
     finally:
+        kill_tree(os.getpid(), include_root=False)  # the kernel and all below it: this process has no other child
         shutdown(km)
-        shutil.rmtree(kernel_tmp, ignore_errors=True)
-        remove_kernel_dir()  # the worker's one kernel is gone; its process ends without atexit (os._exit)
     for index, cell in enumerate(nb.cells):
         if cell.cell_type == "code" and index not in executor.executed and not cell.get("outputs"):
             cell.outputs = [error_output(NOT_RUN, executor.stopped or "not run")]
     nb, _ = LimitOutput().preprocess(nb, {})
 
-    db.write_bytes(master)  # a fresh copy: the notebook had the old one within reach
     with Gradebook(db_url) as gb:
         gb.update_or_create_student(student)
         gb.update_or_create_submission(ASSIGNMENT, student)
@@ -291,9 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m fsdp_course.autograde JOB.json`: grade one notebook, write the result JSON, exit 0."""
     args = sys.argv[1:] if argv is None else argv
     job = json.loads(Path(args[0]).read_text())
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # several kernels share the machine's cores
-    os.environ.setdefault("MPLBACKEND", "Agg")
-    result = grade_notebook(job)
+    with tempfile.TemporaryDirectory(prefix="fsdp_grade_", ignore_cleanup_errors=True) as sandbox, \
+            tempfile.TemporaryDirectory(prefix="fsdp_grade_") as private:
+        result = grade_notebook({**job, "sandbox": sandbox, "private": private}, gradebook_sql(Path(job["gradebook"])))
     Path(job["result"]).write_text(json.dumps(result))
     return 0
 

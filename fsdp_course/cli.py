@@ -41,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Grade SUBMISSIONS/<student>/<NN_topic>.ipynb with nbgrader's preprocessors: the instructor's "
                     "checker cells are restored, each notebook runs in a fresh kernel in a temporary folder with a "
                     "time limit. WARNING: this runs the students' code with your permissions; grade untrusted "
-                    "submissions inside a container or a VM.")
+                    "submissions inside a container or a VM.",
+        epilog="Exit status: 0 every notebook graded; 1 the grader failed on some (rows with status grader-error: "
+               "grade them again); 2 bad input, nothing graded; 130 (Ctrl-C) or 143 (SIGTERM) stopped: the CSV "
+               "holds the rows graded so far, the others have status partial.")
     grade.add_argument("submissions", type=Path, help="a folder with one folder per student")
     grade.add_argument("--out", type=Path, required=True, help="the CSV to write (one row per student)")
     grade.add_argument("--feedback", type=Path, default=None,
@@ -64,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 
         args.solutions = args.solutions or default_solutions()
         try:
-            return grading.run(args)
-        except (FileNotFoundError, NotADirectoryError) as exc:
+            return grading.run(args)  # exit status: 0 all graded, 1 some not, 130/143 stopped (see grading.py)
+        except grading.InputError as exc:
             print(f"fsdp-course grade: {exc}", file=sys.stderr)
             return 2
     from fsdp_course import exercises

@@ -14,17 +14,19 @@ Gloo needs equal-sized chunks for all_gather and reduce_scatter, so callers pad 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import datetime
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from fsdp_course.monitor import Signature
+from fsdp_course.monitor import CollectiveHang, Signature
 
 if TYPE_CHECKING:
     from fsdp_course.context import RankContext
 
-__all__ = ["all_gather", "all_reduce", "barrier", "broadcast", "reduce_scatter"]
+__all__ = ["P2PWork", "all_gather", "all_reduce", "barrier", "broadcast", "irecv", "isend", "recv", "reduce_scatter",
+           "send"]
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -39,6 +41,9 @@ def _check_tensor(ctx: RankContext, op: str, tensor: object, name: str = "tensor
     if tensor.device.type != ctx.device.type:
         raise ValueError(f"{op}: {name} is on {tensor.device}, but this rank's group works on {ctx.device}: "
                          f"move it with .to(ctx.device)")
+    if tensor.layout != torch.strided:  # sparse: is_contiguous() is False (COO) or raises (CSR)
+        raise ValueError(f"{op}: {name} is sparse ({tensor.layout}); collectives take dense tensors: "
+                         "call .to_dense() first")
     if not tensor.is_contiguous():
         raise ValueError(f"{op}: {name} must be contiguous: call .contiguous() first")
     return tensor
@@ -80,17 +85,38 @@ def broadcast(ctx: RankContext, tensor: torch.Tensor, src: int = 0) -> torch.Ten
     return tensor
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def all_reduce(ctx: RankContext, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """Reduce `tensor` over all ranks with `op` ("sum", "mean" or "max"), in place; returns it."""
+    """Reduce `tensor` over all ranks with `op` ("sum", "mean" or "max"), in place; returns it.
+
+    NaN and inf come out as one process's `torch.stack(...).sum(0)` / `.mean(0)` / `.amax(0)` would give them:
+    Gloo's MAX keeps a NaN only when it happens to come first, so "max" carries a NaN mask beside the values (one
+    call of twice the size). "mean" of float16/bfloat16 sums in float32 and rounds once at the end, so a mean that
+    fits is not lost to an overflowing sum (the ledger records the float32 bytes this sends).
+    """
     _check_tensor(ctx, "all_reduce", tensor)
     _check_op("all_reduce", op, tensor)
     sig = _begin(ctx, "all_reduce", [tensor], f"op={op}")
     opts = dist.AllreduceOptions()
     opts.reduceOp = _REDUCE_OPS[op]
-    ctx.group.allreduce([tensor], opts).wait()
-    if op == "mean":
-        tensor.div_(ctx.world_size)
-    _end(ctx, sig, tensor.numel() * tensor.element_size())
+    sent = tensor
+    if op == "max" and tensor.is_floating_point():
+        nan = tensor.isnan()
+        sent = torch.cat([tensor.masked_fill(nan, float("-inf")).reshape(-1), nan.to(tensor.dtype).reshape(-1)])
+        ctx.group.allreduce([sent], opts).wait()
+        values, any_nan = sent.chunk(2)
+        tensor.copy_(values.masked_fill(any_nan > 0, float("nan")).view_as(tensor))
+    elif op == "mean" and tensor.dtype in _HALF:
+        sent = tensor.float()
+        ctx.group.allreduce([sent], opts).wait()
+        tensor.copy_(sent.div_(ctx.world_size))
+    else:
+        ctx.group.allreduce([tensor], opts).wait()
+        if op == "mean":
+            tensor.div_(ctx.world_size)
+    _end(ctx, sig, sent.numel() * sent.element_size())
     return tensor
 
 
@@ -154,14 +180,19 @@ def reduce_scatter(ctx: RankContext, tensor: torch.Tensor, op: str = "sum",
     sig = _begin(ctx, "reduce_scatter", [tensor], f"op={op}")
     opts = dist.ReduceScatterOptions()
     opts.reduceOp = dist.ReduceOp.SUM
+    final, wide = out, op == "mean" and tensor.dtype in _HALF  # a half mean sums in float32 (see all_reduce)
+    if wide:
+        tensor, out = tensor.float(), torch.empty(shape, dtype=torch.float32, device=tensor.device)
     if tensor.numel() < ONE_TENSOR_REDUCE_SCATTER_BELOW or tensor.device.type != "cpu":  # NCCL: native
         ctx.group._reduce_scatter_base(out, tensor, opts).wait()
     else:
         ctx.group.reduce_scatter([out], [list(tensor.chunk(n))], opts).wait()
     if op == "mean":
         out.div_(n)
+    if wide:
+        final.copy_(out)
     _end(ctx, sig, tensor.numel() * tensor.element_size())
-    return out
+    return final
 
 
 def barrier(ctx: RankContext) -> None:
@@ -169,3 +200,57 @@ def barrier(ctx: RankContext) -> None:
     sig = _begin(ctx, "barrier", [])
     ctx.group.barrier().wait()
     _end(ctx, sig, 0)
+
+
+# -- point to point: the ring exercise's send / recv, watched by the referee ----------------------------------------
+class P2PWork:
+    """A started send or recv (`isend` / `irecv`). `wait()` blocks until it completes; if Gloo's timeout ends the
+    wait, the error says what every rank was doing, and names a deadlock when every rank waits in a send."""
+
+    def __init__(self, ctx: RankContext, work: Any, what: str) -> None:
+        self._ctx, self._work, self.what = ctx, work, what
+
+    def wait(self) -> None:
+        monitor = self._ctx._monitor
+        if monitor is not None:
+            monitor.p2p_waiting(self._ctx.rank, self.what)
+        try:  # Gloo's send/recv wait with the group's connect timeout unless given one (context.gloo_group)
+            self._work.wait(datetime.timedelta(seconds=monitor.timeout)) if monitor else self._work.wait()
+        except RuntimeError as exc:
+            if monitor is None:
+                raise
+            raise CollectiveHang(f"rank {self._ctx.rank}: {self.what} failed: {monitor.p2p_diagnosis()}") from exc
+        if monitor is not None:
+            monitor.p2p_done(self._ctx.rank, self.what)
+
+
+def _p2p(ctx: RankContext, op: str, tensor: torch.Tensor, peer: int, tag: int) -> str:
+    _check_tensor(ctx, op, tensor)
+    if not 0 <= peer < ctx.world_size or peer == ctx.rank:
+        raise ValueError(f"{op}: the peer must be another rank in 0..{ctx.world_size - 1}, got {peer} "
+                         f"(this is rank {ctx.rank})")
+    direction = "to" if op == "send" else "from"
+    return f"{op} {direction} rank {peer} (tag {tag}, shape {tuple(tensor.shape)}, {_dtype_name(tensor)})"
+
+
+def isend(ctx: RankContext, tensor: torch.Tensor, dst: int, tag: int = 0) -> P2PWork:
+    """Start sending `tensor` to rank `dst`; wait on the result before changing `tensor`."""
+    what = _p2p(ctx, "send", tensor, dst, tag)
+    return P2PWork(ctx, ctx.group.send([tensor], dst, tag), what)
+
+
+def irecv(ctx: RankContext, tensor: torch.Tensor, src: int, tag: int = 0) -> P2PWork:
+    """Start receiving into `tensor` from rank `src` (the sender's shape, dtype and tag must match)."""
+    what = _p2p(ctx, "recv", tensor, src, tag)
+    return P2PWork(ctx, ctx.group.recv([tensor], src, tag), what)
+
+
+def send(ctx: RankContext, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+    """Send `tensor` to rank `dst` and wait until rank `dst` has received it."""
+    isend(ctx, tensor, dst, tag).wait()
+
+
+def recv(ctx: RankContext, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+    """Receive into `tensor` from rank `src`; returns it."""
+    irecv(ctx, tensor, src, tag).wait()
+    return tensor

@@ -27,12 +27,25 @@ from fsdp_course.monitor import WorldMonitor
 __all__ = ["RankContext", "gloo_group"]
 
 
+CONNECT_TIMEOUT = 5.0  # seconds the ranks get to connect, however short the collectives' timeout
+
+
 def gloo_group(store: dist.Store, rank: int, world_size: int, timeout: float) -> dist.ProcessGroup:
-    """A real `ProcessGroupGloo` on the loopback device with a timeout in seconds."""
+    """A real `ProcessGroupGloo` on the loopback device whose collectives time out after `timeout` seconds.
+
+    Gloo uses one timeout for connecting the ranks and for every collective. Connecting takes tens of
+    milliseconds (more on a loaded machine), and a connection that times out can crash the process (seen here
+    with 3 ranks and 1 ms), so the group connects with at least `CONNECT_TIMEOUT` and then sets `timeout` as the
+    default of its collectives (`_set_default_timeout`). Gloo's raw `send`/`recv` works still wait up to the connect
+    timeout unless `wait()` is given one: `collectives.isend`/`irecv` pass `timeout`.
+    """
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    opts._timeout = datetime.timedelta(seconds=timeout)
-    return dist.ProcessGroupGloo(store, rank, world_size, opts)
+    opts._timeout = datetime.timedelta(seconds=max(timeout, CONNECT_TIMEOUT))
+    group = dist.ProcessGroupGloo(store, rank, world_size, opts)
+    if timeout < CONNECT_TIMEOUT:
+        group._set_default_timeout(datetime.timedelta(seconds=timeout))
+    return group
 
 
 class RankContext:
@@ -72,6 +85,19 @@ class RankContext:
 
     def barrier(self) -> None:
         collectives.barrier(self)
+
+    # -- point to point (see collectives.py): the referee names a deadlock when Gloo times out ---------------
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        collectives.send(self, tensor, dst, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        return collectives.recv(self, tensor, src, tag)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> collectives.P2PWork:
+        return collectives.isend(self, tensor, dst, tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> collectives.P2PWork:
+        return collectives.irecv(self, tensor, src, tag)
 
     # -- a real process under torchrun ---------------------------------------------------------
     @classmethod

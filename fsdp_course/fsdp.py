@@ -2,7 +2,8 @@
 
 `FSDP(module, ctx, wrap={nn.TransformerEncoderLayer})` turns every instance of a `wrap` class into
 its own unit and everything else into the root unit (`wrap=None`: the whole model is one unit, the
-article's pitfall 5.3 "nothing is really sharded": the whole model is gathered at once).  Per unit
+article's pitfall 5.3 "nothing is really sharded": the whole model is gathered at once; a `wrap` class
+that makes no unit, such as the model's own class or one it does not contain, warns).  Per unit
 one flat parameter, padded to a multiple of the world size, of which each rank keeps one shard
 (flat_param.py); the unit's life cycle is in fsdp_unit.py, the checkpoints in fsdp_state_dict.py.
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -104,6 +106,7 @@ class FSDP(nn.Module):
             for unit_module, unit_name, occ in _group_by_unit(occurrences, module):
                 handles = self._build_handles(unit_name, occ)
                 self.units.append(FSDPUnit(unit_name, unit_module, handles, self))
+            _warn_unused_wrap(module, wrap_types, self.units)
             if template is not None:
                 self._fill_from_pieces(init(template))  # type: ignore[misc]  (init checked above)
             else:
@@ -274,6 +277,20 @@ class FSDP(nn.Module):
 
     def load_sharded(self, directory: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         fsdp_state_dict.load_sharded(self, directory, optimizer)
+
+
+def _warn_unused_wrap(root: nn.Module, wrap: tuple[type, ...], units: list[FSDPUnit]) -> None:
+    """Warn about a wrap class that made no unit: a typo or the root's own class would silently leave
+    the whole model in the root unit (pitfall 5.3)."""
+    for cls in wrap:
+        if any(u.module is not root and isinstance(u.module, cls) for u in units):
+            continue
+        why = ("the model itself is one, and the model is always the root unit" if isinstance(root, cls)
+               else f"no submodule with parameters is a {cls.__name__}")
+        result = "the whole model is one unit, gathered at once (pitfall 5.3)" if len(units) == 1 else "it does nothing"
+        warnings.warn(f"FSDP: wrap class {cls.__name__} makes no unit of this {type(root).__name__} ({why}), so "
+                      f"{result}. Pass the classes of the blocks to shard one at a time, e.g. wrap={{nn.Linear}} "
+                      "or wrap={nn.TransformerEncoderLayer} (or wrap=None for one unit on purpose).", stacklevel=3)
 
 
 def _find_parameters(root: nn.Module, wrap: tuple[type, ...]) -> list[tuple]:

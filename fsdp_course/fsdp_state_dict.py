@@ -3,14 +3,19 @@
 PyTorch FSDP (arXiv:2304.11277, section 3.2 and the `StateDictType` API) offers the same two:
 - a FULL state dict: gather every flat parameter, cut it back into the original tensors, keyed
   exactly like the unwrapped module's `state_dict()`; loads into any world size;
-- a SHARDED state dict: each rank writes only its shard (no communication, no full copy anywhere),
-  plus metadata describing the layout; it loads back only into the same layout and world size.
+- a SHARDED state dict: each rank writes only its shard (no full copy anywhere: the ranks exchange
+  only their files' checksums), plus metadata describing the layout and each file's size and sha256;
+  it loads back only into the same layout and world size, after every rank has checked its file
+  (a bad file raises on every rank, and nothing is loaded anywhere).
 
-All functions take the FSDP object; `full_state_dict` is a collective (call it on every rank).
+All functions take the FSDP object; `full_state_dict`, `save_sharded` and `load_sharded` are
+collectives (call them on every rank).
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 from typing import TYPE_CHECKING
@@ -20,7 +25,7 @@ import torch
 if TYPE_CHECKING:
     from fsdp_course.fsdp import FSDP
 
-FORMAT = "fsdp_course.sharded/1"
+FORMAT = "fsdp_course.sharded/2"  # 2: metadata records each file's size and sha256
 METADATA = "metadata.json"
 
 
@@ -52,10 +57,14 @@ def load_full_state_dict(fsdp: FSDP, state_dict: dict[str, torch.Tensor]) -> Non
     if missing or unexpected:
         raise KeyError(f"state dict does not match the wrapped module: missing {missing}, "
                        f"unexpected {unexpected}")
-    for h in fsdp.handles:
-        flat = h.layout.flatten(state_dict[info.name] for info in h.layout.infos)  # (padded_numel,)
-        h.shard.copy_(h.layout.shard(flat, fsdp.ctx.rank))
     buffers = dict(fsdp.module.named_buffers(remove_duplicate=False))
+    wrong = [f"{name}: {tuple(state_dict[name].shape)}, the model's is {tuple(buf.shape)}"
+             for name, buf in buffers.items() if name in state_dict and state_dict[name].shape != buf.shape]
+    if wrong:  # checked before anything is written (copy_ would broadcast a (1,) into a (3,))
+        raise ValueError("state dict shapes do not match the wrapped module: " + "; ".join(wrong))
+    flats = [h.layout.flatten(state_dict[info.name] for info in h.layout.infos) for h in fsdp.handles]
+    for h, flat in zip(fsdp.handles, flats, strict=True):  # (padded_numel,) each, all built before writing
+        h.shard.copy_(h.layout.shard(flat, fsdp.ctx.rank))
     for name in fsdp.state_dict_keys:
         if name in buffers:
             buffers[name].copy_(state_dict[name])
@@ -69,13 +78,16 @@ def _metadata(fsdp: FSDP) -> dict:
             dict(h.layout.to_json(), requires_grad=h.requires_grad) for h in u.handles]}
             for u in fsdp.units],
         "buffers": [name for name, _ in fsdp.module.named_buffers()],
-        "files": [rank_file(r) for r in range(fsdp.ctx.world_size)],
     }
 
 
 @torch.no_grad()
 def save_sharded(fsdp: FSDP, directory: str, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Every rank writes its shards (and optimizer state), rank 0 the metadata; all ranks call it."""
+    """Every rank writes its shards (and optimizer state), rank 0 the metadata; all ranks call it.
+
+    The metadata records each rank file's size and sha256, so that load_sharded can tell a truncated,
+    corrupted or swapped file from a good one (the ranks all_gather their digests for rank 0).
+    """
     os.makedirs(directory, exist_ok=True)
     payload = {
         "rank": fsdp.ctx.rank,
@@ -83,23 +95,75 @@ def save_sharded(fsdp: FSDP, directory: str, optimizer: torch.optim.Optimizer | 
         "buffers": {n: b.detach().clone() for n, b in fsdp.module.named_buffers()},
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
     }
-    torch.save(payload, os.path.join(directory, rank_file(fsdp.ctx.rank)))
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    with open(os.path.join(directory, rank_file(fsdp.ctx.rank)), "wb") as f:
+        f.write(data)
+    digest = torch.tensor(list(hashlib.sha256(data).digest()), dtype=torch.uint8)  # (32,)
+    digests = fsdp.ctx.all_gather(digest).reshape(fsdp.ctx.world_size, 32)  # every rank's
+    sizes = fsdp.ctx.all_gather(torch.tensor([len(data)]))  # (world_size,)
     if fsdp.ctx.rank == 0:
+        meta = _metadata(fsdp)
+        meta["files"] = [{"name": rank_file(r), "bytes": int(sizes[r]), "sha256": bytes(digests[r].tolist()).hex()}
+                         for r in range(fsdp.ctx.world_size)]
         with open(os.path.join(directory, METADATA), "w") as f:
-            json.dump(_metadata(fsdp), f, indent=1)
+            json.dump(meta, f, indent=1)
     fsdp.ctx.barrier()  # the checkpoint is complete when anyone returns
 
 
 @torch.no_grad()
 def load_sharded(fsdp: FSDP, directory: str, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load what save_sharded wrote, with the same world size and model; clear errors otherwise."""
-    meta_path = os.path.join(directory, METADATA)
-    if not os.path.exists(meta_path):
-        raise FileNotFoundError(f"{meta_path} not found: not a sharded checkpoint (save_sharded writes "
+    """Load what save_sharded wrote, with the same world size and model; all ranks call it.
+
+    Every rank first checks everything it will read (the metadata; its file's size, checksum and
+    rank; every shape and dtype), then the ranks agree with one all_reduce before anything is
+    written: a bad checkpoint raises on every rank (no rank is left waiting) and changes nothing.
+    """
+    try:
+        payload, error = _read_checked(fsdp, directory, optimizer), None
+    except Exception as exc:  # any: a rank that raised here alone would leave the others waiting below
+        payload, error = None, exc
+    failed = torch.zeros(fsdp.ctx.world_size)
+    failed[fsdp.ctx.rank] = error is not None
+    fsdp.ctx.all_reduce(failed)  # which ranks found a problem
+    if error is not None:
+        raise error
+    if failed.any():
+        bad = [r for r in range(fsdp.ctx.world_size) if failed[r]]
+        raise RuntimeError(f"nothing loaded: rank(s) {bad} found a problem with the checkpoint in {directory} "
+                           "(see their errors); this rank's model and optimizer are unchanged")
+    for h, saved_shard in zip(fsdp.handles, payload["shards"], strict=True):
+        h.shard.copy_(saved_shard)
+    for name, buf in fsdp.module.named_buffers():
+        buf.copy_(payload["buffers"][name])
+    if optimizer is not None:
+        optimizer.load_state_dict(payload["optimizer"])
+
+
+def _read_metadata(directory: str) -> dict:
+    path = os.path.join(directory, METADATA)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: not a sharded checkpoint (save_sharded writes "
                                 "one metadata.json plus one file per rank)")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    saved_n, n = meta.get("world_size"), fsdp.ctx.world_size
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}): the file is damaged or cut short; restore the "
+                         "checkpoint from a copy or save it again") from None
+    keys = ("format", "world_size", "units", "buffers", "files")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not all(k in meta for k in keys):
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise ValueError(f"{path} is not the metadata of a {FORMAT} checkpoint (format {found!r}, keys "
+                         f"{keys} needed): save the checkpoint again with save_sharded")
+    return meta
+
+
+def _read_checked(fsdp: FSDP, directory: str, optimizer: torch.optim.Optimizer | None) -> dict:
+    """This rank's payload, after checking it against the metadata and this model; raises otherwise."""
+    meta = _read_metadata(directory)
+    saved_n, n, rank = meta["world_size"], fsdp.ctx.world_size, fsdp.ctx.rank
     if saved_n != n:
         raise ValueError(
             f"the checkpoint in {directory} was saved by {saved_n} ranks, this run has {n}: a sharded "
@@ -110,17 +174,50 @@ def load_sharded(fsdp: FSDP, directory: str, optimizer: torch.optim.Optimizer | 
         saved = [u["name"] for u in meta["units"]]
         raise ValueError(f"the checkpoint's layout differs from this model's (units saved: {saved}, "
                          f"here: {[u['name'] for u in mine['units']]}): same model and wrap= needed")
-    path = os.path.join(directory, rank_file(fsdp.ctx.rank))
+    path = os.path.join(directory, rank_file(rank))
     if not os.path.exists(path):
         present = sorted(f for f in os.listdir(directory) if f.startswith("shard_rank"))
-        raise FileNotFoundError(f"rank {fsdp.ctx.rank}'s file {path} is missing (found: {present}); "
+        raise FileNotFoundError(f"rank {rank}'s file {path} is missing (found: {present}); "
                                 f"a sharded checkpoint needs all {n} rank files")
-    payload = torch.load(path, weights_only=True)
-    for h, saved_shard in zip(fsdp.handles, payload["shards"], strict=True):
-        h.shard.copy_(saved_shard)
-    for name, buf in fsdp.module.named_buffers():
-        buf.copy_(payload["buffers"][name])
+    with open(path, "rb") as f:
+        data = f.read()
+    files = meta["files"]
+    if len(data) != files[rank]["bytes"]:
+        raise ValueError(f"{path} is {len(data)} bytes, save_sharded wrote {files[rank]['bytes']}: the file is "
+                         "truncated or incomplete (an interrupted save or copy?); copy it again or save again")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != files[rank]["sha256"]:
+        owner = [r for r, entry in enumerate(files) if entry["sha256"] == digest]
+        if owner:
+            raise ValueError(f"{path} holds rank {owner[0]}'s shards, not rank {rank}'s: the rank files were "
+                             f"swapped or renamed; give every rank its own file back ({files[owner[0]]['name']})")
+        raise ValueError(f"{path} is corrupted: its sha256 differs from the one {METADATA} recorded at save "
+                         "time (the bytes changed since); restore it from a copy or save again")
+    payload = torch.load(io.BytesIO(data), weights_only=True)
+    if payload["rank"] != rank:  # the checksum already vouches for the file: this needs edited metadata too
+        raise ValueError(f"{path} holds rank {payload['rank']}'s shards, not rank {rank}'s: the rank files "
+                         "were swapped or renamed")
+    for i, (h, saved) in enumerate(zip(fsdp.handles, payload["shards"], strict=True)):
+        _check_same(path, f"flat parameter {i}", saved, h.shard)
+    buffers = dict(fsdp.module.named_buffers())
+    if set(payload["buffers"]) != set(buffers):
+        raise ValueError(f"{path} holds the buffers {sorted(payload['buffers'])}, this model has "
+                         f"{sorted(buffers)}: load into the same model")
+    for name, buf in buffers.items():
+        _check_same(path, f"buffer '{name}'", payload["buffers"][name], buf)
     if optimizer is not None:
         if payload["optimizer"] is None:
             raise ValueError(f"{path} holds no optimizer state: save_sharded(..., optimizer=) to include it")
-        optimizer.load_state_dict(payload["optimizer"])
+        saved_groups = [len(g["params"]) for g in payload["optimizer"]["param_groups"]]
+        groups = [len(g["params"]) for g in optimizer.param_groups]
+        if saved_groups != groups:
+            raise ValueError(f"{path}: the saved optimizer has parameter groups of sizes {saved_groups}, this one "
+                             f"{groups}: build it the same way, over fsdp.parameters()")
+    return payload
+
+
+def _check_same(path: str, what: str, saved: torch.Tensor, here: torch.Tensor) -> None:
+    """Exact shape and dtype: copy_ would broadcast a (1,) into a (3,) and cast silently."""
+    if saved.shape != here.shape or saved.dtype != here.dtype:
+        raise ValueError(f"{path}: {what} was saved as {saved.dtype} {tuple(saved.shape)}, this model has "
+                         f"{here.dtype} {tuple(here.shape)}: load into the same model (same sizes and dtypes)")

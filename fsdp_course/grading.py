@@ -8,34 +8,47 @@ For instructors who do not run an nbgrader course directory. The layout of SUBMI
         bob/01_collectives.ipynb         (nbgrader's submitted/<student>/<assignment>/ works too: the
         bob/extra/notes.ipynb            notebooks are searched in subfolders; other files are ignored)
 
+A notebook at the top of SUBMISSIONS, or no exercise notebook at all, is an error (exit status 2) before
+anything runs; so is an --out that names a folder or lies in a folder that does not exist.
+
 What happens (see autograde.py for each nbgrader preprocessor):
 1. one gradebook is built from solutions/ (nbgrader's SaveCells), holding every checker cell as the
-   instructor wrote it, hidden tests included;
-2. every submitted notebook is graded in its own worker process (`--jobs` at once): nbgrader's
-   sanitizing pass puts the instructor's checker cells back (edited, emptied or deleted ones), then
-   the notebook runs in a fresh kernel in a private temporary directory holding only a copy of it,
-   with one time limit for all its cells (`--timeout`), and nbgrader's SaveAutoGrades scores it;
+   instructor wrote it, hidden tests included; it is then kept as SQL text in memory, and its file removed;
+2. every submitted notebook is graded in its own worker process (`--jobs` at once), which loads the
+   gradebook into its own memory: nbgrader's sanitizing pass puts the instructor's checker cells back
+   (edited, emptied or deleted ones), then the notebook runs in a fresh kernel with one time limit for
+   all its cells (`--timeout`), and nbgrader's SaveAutoGrades scores it. The kernel's cwd and TMPDIR are in
+   a sandbox folder made for this notebook alone; the worker's result comes back through a pipe. When the
+   notebook ends, every process it started is killed (also those in a new session); past --timeout plus
+   a grace period, or on Ctrl-C / SIGTERM, the grader kills the worker and all below it;
 3. one CSV row per student (score per exercise, total, status) and one feedback file per student
    (what passed, what failed with the checker's report, what was restored or went wrong).
 
 Status of a notebook, and of a student (the worst of their notebooks): `ok` (it ran; checks may have
 failed), `error` (a cell outside the checks raised, or the kernel died), `timeout` (the time limit
 stopped it; the cells after were not run, and score 0), `invalid` (not a readable notebook, or not
-this exercise). A notebook not submitted scores 0 and is listed in the notes.
+this exercise), `grader-error` (the grader itself failed on it: grade it again) and `partial` (not
+graded: Ctrl-C or SIGTERM stopped the run). A notebook not submitted scores 0 and is listed in the notes.
+
+Exit status of `run`: 0 every notebook was graded; 1 some were not (`grader-error` rows: the CSV is
+written); 2 bad input, nothing graded; 130 (Ctrl-C) or 143 (SIGTERM): stopped, the CSV holds the rows
+graded so far, the others marked `partial`.
 
 Grading runs the students' code with your permissions. The isolation is a separate process, a
-temporary directory and a time limit, nothing more: grade untrusted submissions inside a container
-or a virtual machine.
+temporary directory, a time limit and no grader file that a notebook's paths or environment name,
+nothing more: a notebook can still search the whole file system. Grade untrusted submissions inside a
+container or a virtual machine.
 """
 
 from __future__ import annotations
 
 import csv
-import json
 import multiprocessing
 import os
+import shutil
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -43,10 +56,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STATUSES", "StudentGrades", "discover", "grade"]
+__all__ = ["STATUSES", "InputError", "StudentGrades", "discover", "grade", "run"]
 
-STATUSES = ("ok", "error", "timeout", "invalid")  # from best to worst
+STATUSES = ("ok", "error", "timeout", "invalid", "grader-error", "partial")  # from best to worst
 STARTUP_GRACE = 90.0  # seconds a worker may take beyond --timeout (imports, kernel start, gradebook)
+
+
+class InputError(ValueError):
+    """Bad input to `grade` (the message says what to do); nothing was graded."""
 
 
 @dataclass
@@ -87,24 +104,55 @@ def discover(submissions: Path, exercises: list[str]) -> tuple[dict[str, dict[st
     return found, ignored
 
 
-def _kill_group(pid: int) -> None:
-    if pid > 1:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+def _check_output(out: Path, feedback: Path) -> None:
+    """Fail before grading, not after it: --out names a file in a folder that exists and is writable."""
+    if out.is_dir():
+        raise InputError(f"--out {out} is a folder: name the CSV file to write, e.g. --out {out / 'grades.csv'}")
+    if not out.parent.is_dir():
+        raise InputError(f"--out {out}: its folder {out.parent} does not exist: create it, or write the CSV elsewhere")
+    if not os.access(out.parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise InputError(f"--out {out}: you may not write there: write the CSV elsewhere")
+    if feedback.exists() and not feedback.is_dir():
+        raise InputError(f"--feedback {feedback} is a file: name a folder for the feedback files")
 
 
-def _worker(job_file: str) -> None:
-    """The body of one worker process: its own session (so it and what it starts can be killed as a group),
-    no inherited terminal output (a kernel's C++ logs or a flood written to fd 2 go nowhere), then autograde."""
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def _check_layout(submissions: Path, found: dict[str, dict[str, Path]], exercises: list[str]) -> None:
+    """Refuse a class with nothing to grade, or with notebooks outside student folders (they would get no row)."""
+    flat = sorted(p.name for p in submissions.glob("*.ipynb"))
+    if flat:
+        seen = f"notebooks outside student folders ({_some(flat)})"
+    elif not found:
+        seen = "no student folder"
+    elif not any(found.values()):
+        seen = f"student folders ({_some(list(found))}) but no exercise notebook in them"
+    else:
+        return
+    raise InputError(f"{submissions}/ holds {seen}. Expected one folder per student, named by the student's id, "
+                     f"holding notebooks named like the exercises ({', '.join(exercises[:2])}, ...), e.g. "
+                     f"{submissions}/alice/{exercises[0]}.ipynb: move each notebook into its student's folder")
+
+
+def _worker(job: dict[str, Any], gradebook: str, send: Any) -> None:
+    """The body of one worker process: its own session (the grader may kill it and all below it), no inherited
+    terminal output (a kernel's C++ logs or a flood written to fd 2 go nowhere), a cwd that names nothing of
+    the grader's, then autograde; the result goes back through the pipe `send`."""
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
-    from fsdp_course import autograde  # main() limits OMP_NUM_THREADS: several workers' kernels share the cores
+    os.chdir("/")
+    from fsdp_course import autograde
 
-    autograde.main([job_file])
+    send.send(autograde.grade_notebook(job, gradebook))
+
+
+def _unfinished(exercise: str, status: str, note: str) -> dict[str, Any]:
+    """The result of a notebook the grader could not grade."""
+    return {"exercise": exercise, "status": status, "checks": [], "errors": [], "notes": [note]}
 
 
 def _workers() -> Any:
@@ -114,67 +162,98 @@ def _workers() -> Any:
     return context
 
 
-def _run_worker(job: dict[str, Any], folder: Path, hard_limit: float) -> dict[str, Any]:
-    """One notebook in its own worker process; killed, with its kernel, past the hard limit."""
-    job_file = folder / "job.json"
-    job_file.write_text(json.dumps(job))
-    proc = _workers().Process(target=_worker, args=(str(job_file),), name=f"fsdp-grade {job['exercise']}")
-    proc.start()
-    proc.join(hard_limit)
-    if proc.is_alive():
-        _kill_group(proc.pid)
-        pid_file = Path(job["pid_file"])
-        if pid_file.exists():  # the kernel runs in its own session
-            _kill_group(int(pid_file.read_text() or 0))
-        proc.kill()
-        proc.join()
-        return {"exercise": job["exercise"], "status": "timeout", "checks": [], "errors": [],
-                "notes": [f"the grader stopped this notebook after {hard_limit:g} s"]}
+def _run_worker(job: dict[str, Any], gradebook: str, hard_limit: float,
+                stop: threading.Event | None = None) -> dict[str, Any]:
+    """One notebook in its own worker process, with two folders made for it alone (the kernel's sandbox, and a
+    private one for the kernel's connection file), removed after it. Past the hard limit, or once `stop` is
+    set, the worker is killed with every process below it."""
+    from fsdp_course.timed_execute import kill_tree
+
+    def unfinished(status: str, note: str) -> dict[str, Any]:
+        return _unfinished(job["exercise"], status, note)
+
+    interrupted = unfinished("partial", "not graded: the grading was stopped (Ctrl-C or SIGTERM)")
+    if stop is not None and stop.is_set():
+        return interrupted
+    context = _workers()
+    sandbox, private = tempfile.mkdtemp(prefix="fsdp_grade_"), tempfile.mkdtemp(prefix="fsdp_grade_")
+    receive, send = context.Pipe(duplex=False)
+    proc = context.Process(target=_worker, args=({**job, "sandbox": sandbox, "private": private}, gradebook, send),
+                           name=f"fsdp-grade {job['exercise']}")
+    deadline = time.monotonic() + hard_limit
     try:
-        return json.loads(Path(job["result"]).read_text())
-    except (OSError, ValueError):
-        return {"exercise": job["exercise"], "status": "error", "checks": [], "errors": [],
-                "notes": [f"the grading worker exited with code {proc.exitcode} and no result"]}
+        proc.start()
+        send.close()  # the worker holds the only writing end: its end is our EOF
+        while not receive.poll(0.5):
+            if stop is not None and stop.is_set():
+                return interrupted
+            if time.monotonic() > deadline:
+                return unfinished("grader-error", f"the grader stopped this notebook's worker after {hard_limit:g} s "
+                                  f"(the notebook's own limit is {job['timeout']:g} s): grade it again")
+        try:
+            result = receive.recv()
+        except EOFError:
+            proc.join(10)
+            return unfinished("grader-error", f"the grading worker exited with code {proc.exitcode} and no result")
+        proc.join(10)
+        return result
+    finally:
+        send.close()
+        if proc.is_alive():
+            kill_tree(proc.pid)
+        if proc.pid is not None:
+            proc.join()
+        receive.close()
+        shutil.rmtree(sandbox, ignore_errors=True)
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def grade(submissions: Path, out: Path, *, solutions: Path, feedback: Path | None = None, timeout: float = 180.0,
-          jobs: int = 1, max_output_chars: int = 20_000, log: Callable[[str], None] = print) -> list[StudentGrades]:
-    """Grade every student folder in `submissions`; write the CSV `out` and one feedback file per student."""
-    from fsdp_course.autograde import build_gradebook, cell_order  # imports nbgrader: seconds
-
+          jobs: int = 1, max_output_chars: int = 20_000, log: Callable[[str], None] = print,
+          stop: threading.Event | None = None) -> list[StudentGrades]:
+    """Grade every student folder in `submissions`; write the CSV `out` and one feedback file per student.
+    Once `stop` is set (run() sets it on Ctrl-C and SIGTERM), the running notebooks are killed and the rest
+    skipped, with status `partial`; the CSV and the feedback are written all the same. Bad input: InputError."""
+    out = Path(out)
+    feedback = Path(feedback) if feedback is not None else out.with_name(out.stem + "_feedback")
+    _check_output(out, feedback)
     solution_paths = sorted(Path(solutions).glob("*.ipynb"))
     if not solution_paths:
-        raise FileNotFoundError(f"no solution notebooks in {solutions}/ (pass --solutions)")
+        raise InputError(f"no solution notebooks in {solutions}/ (pass --solutions)")
     if not Path(submissions).is_dir():
-        raise NotADirectoryError(f"{submissions} is not a folder of student folders")
+        raise InputError(f"{submissions} is not a folder of student folders")
     exercises = [p.stem for p in solution_paths]
     found, ignored = discover(Path(submissions), exercises)
-    feedback = Path(feedback) if feedback is not None else Path(out).with_name(Path(out).stem + "_feedback")
-    with tempfile.TemporaryDirectory(prefix="fsdp_grade_") as tmp:
-        db = Path(tmp) / "gradebook.db"
-        log(f"building the gradebook from {len(solution_paths)} solution notebooks in {solutions}/")
-        max_scores = build_gradebook(solution_paths, db)
-        order = {p.stem: cell_order(p) for p in solution_paths}
-        work = [(student, ex, path) for student, notebooks in found.items() for ex, path in notebooks.items()]
-        log(f"grading {len(work)} notebooks of {len(found)} students, {jobs} at a time, "
-            f"{timeout:g} s each at most")
-        results: dict[tuple[str, str], dict[str, Any]] = {}
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            futures = {}
-            for i, (student, ex, path) in enumerate(work):
-                folder = Path(tmp) / f"job{i}"
-                folder.mkdir()
-                job = {"submission": str(path.resolve()), "exercise": ex, "student": student, "gradebook": str(db),
-                       "timeout": timeout, "order": order, "result": str(folder / "result.json"),
-                       "pid_file": str(folder / "kernel.pid"), "max_output_chars": max_output_chars}
-                futures[pool.submit(_run_worker, job, folder, timeout + STARTUP_GRACE)] = (student, ex)
-            for future in as_completed(futures):
-                student, ex = futures[future]
-                result = results[student, ex] = future.result()
+    _check_layout(Path(submissions), found, exercises)
+
+    from fsdp_course.autograde import build_gradebook, cell_order, gradebook_sql  # imports nbgrader: seconds
+
+    log(f"building the gradebook from {len(solution_paths)} solution notebooks in {solutions}/")
+    with tempfile.TemporaryDirectory(prefix="fsdp_grade_") as tmp:  # gone before any student's code runs
+        max_scores = build_gradebook(solution_paths, Path(tmp) / "gradebook.db")
+        gradebook = gradebook_sql(Path(tmp) / "gradebook.db")
+    order = {p.stem: cell_order(p) for p in solution_paths}
+    work = [(student, ex, path) for student, notebooks in found.items() for ex, path in notebooks.items()]
+    log(f"grading {len(work)} notebooks of {len(found)} students, {jobs} at a time, {timeout:g} s each at most")
+    results: dict[tuple[str, str], dict[str, Any]] = {}
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {}
+        for student, ex, path in work:
+            job = {"submission": str(path.resolve()), "exercise": ex, "student": student, "timeout": timeout,
+                   "order": order, "max_output_chars": max_output_chars}
+            futures[pool.submit(_run_worker, job, gradebook, timeout + STARTUP_GRACE, stop)] = (student, ex)
+        for future in as_completed(futures):
+            student, ex = futures[future]
+            try:
+                result = future.result()
+            except Exception as exc:  # noqa: BLE001  (a grader bug: this notebook's row only, and the exit status)
+                result = _unfinished(ex, "grader-error", f"grading failed: {type(exc).__name__}: {exc}")
+            results[student, ex] = result
+            if result["status"] != "partial":
                 score = sum(c["score"] for c in result["checks"])
                 log(f"  {student}/{ex}: {score:g} / {max_scores[ex]:g} {result['status']}")
     graded = [StudentGrades(s, {ex: results.get((s, ex)) for ex in exercises}, ignored[s]) for s in found]
-    write_csv(Path(out), graded, exercises, max_scores)
+    write_csv(out, graded, exercises, max_scores)
     feedback.mkdir(parents=True, exist_ok=True)
     for g in graded:
         (feedback / f"{g.student}.txt").write_text(feedback_text(g, exercises, max_scores, timeout), encoding="utf-8")
@@ -184,7 +263,6 @@ def grade(submissions: Path, out: Path, *, solutions: Path, feedback: Path | Non
 
 def write_csv(out: Path, graded: list[StudentGrades], exercises: list[str], max_scores: dict[str, float]) -> None:
     """student, one score per exercise, total, max_total, status, notes (what went wrong where)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["student", *exercises, "total", "max_total", "status", "notes"])
@@ -231,11 +309,33 @@ def feedback_text(g: StudentGrades, exercises: list[str], max_scores: dict[str, 
 
 
 def run(args: Any) -> int:
-    """The `grade` subcommand (see cli.py); returns the exit status."""
+    """The `grade` subcommand (see cli.py); returns the exit status (see above). Ctrl-C and SIGTERM stop the
+    grading within a second or so, and the rows graded so far are written."""
     started = time.monotonic()
-    graded = grade(Path(args.submissions), Path(args.out), solutions=Path(args.solutions), feedback=args.feedback,
-                   timeout=args.timeout, jobs=args.jobs, log=lambda line: print(line, flush=True))
+    stop, caught = threading.Event(), []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        caught.append(signum)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        graded = grade(Path(args.submissions), Path(args.out), solutions=Path(args.solutions), feedback=args.feedback,
+                       timeout=args.timeout, jobs=args.jobs, log=lambda line: print(line, flush=True), stop=stop)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    took = f"{time.monotonic() - started:.0f} s"
+    if caught:
+        partial = sum(g.status == "partial" for g in graded)
+        print(f"stopped by {signal.Signals(caught[0]).name} after {took}: {len(graded) - partial} students graded, "
+              f"{partial} with status partial (not or not fully graded: grade them again)", flush=True)
+        return 128 + caught[0]
+    failed = [g.student for g in graded if g.status == "grader-error"]
     bad = sum(g.status != "ok" for g in graded)
-    print(f"done in {time.monotonic() - started:.0f} s: {len(graded) - bad} students ok, {bad} with a problem "
-          "(see the status and notes columns)")
+    print(f"done in {took}: {len(graded) - bad} students ok, {bad} with a problem (see the status and notes columns)")
+    if failed:
+        print(f"the grader failed on notebooks of {len(failed)} students ({', '.join(failed)}: status "
+              "grader-error, see their feedback): grade them again")
+        return 1
     return 0

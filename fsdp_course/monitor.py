@@ -58,6 +58,7 @@ class WorldMonitor:
         self.world_size = world_size
         self.timeout = timeout
         self.abort = threading.Event()
+        self.first_end: float | None = None  # time.monotonic() when the first rank finished or failed
         self._cond = threading.Condition()
         self._posted: dict[int, dict[int, Signature]] = {}  # seq -> rank -> signature
         self._left: dict[int, int] = {}  # seq -> ranks that have left the rendezvous
@@ -66,14 +67,20 @@ class WorldMonitor:
         self._terminal = [False] * world_size
 
     # -- rank states -------------------------------------------------------------------------------
+    def _ended(self) -> None:
+        if self.first_end is None:
+            self.first_end = time.monotonic()
+
     def set_finished(self, rank: int) -> None:
         with self._cond:
+            self._ended()
             self._state[rank] = f"finished after {self._done[rank]} collective(s)"
             self._terminal[rank] = True
             self._cond.notify_all()
 
     def set_failed(self, rank: int, exc: BaseException) -> None:
         with self._cond:
+            self._ended()
             self._state[rank] = f"failed with {type(exc).__name__} after {self._done[rank]} collective(s)"
             self._terminal[rank] = True
             if not isinstance(exc, (PeerFailed, CollectiveHang, CollectiveMismatch)):
@@ -87,6 +94,31 @@ class WorldMonitor:
 
     def report(self) -> str:
         return "\n".join(f"  rank {r}: {s}" for r, s in enumerate(self._state))
+
+    # -- point-to-point: no rendezvous (a send and its recv are different calls), only states -------------
+    def p2p_waiting(self, rank: int, what: str) -> None:
+        with self._cond:
+            self._state[rank] = f"waiting in {what}"
+
+    def p2p_done(self, rank: int, what: str) -> None:
+        with self._cond:
+            self._state[rank] = f"running, last finished {what}"
+
+    def p2p_diagnosis(self) -> str:
+        """Why a send or recv timed out, from every rank's state: a named deadlock, or the list of states."""
+        with self._cond:
+            live = {r: s for r, s in enumerate(self._state) if not self._terminal[r]}
+            report = self.report()
+        if live and all(s.startswith("waiting in send") for s in live.values()):
+            return ("deadlock: every rank waits in send while no rank receives (a send completes only once its "
+                    "peer posts the matching recv). Post the receive first, or start the send with isend, then "
+                    f"recv, then wait on the send.\n{report}")
+        return f"a send or recv waited for a partner that never came:\n{report}"
+
+    def state(self, rank: int) -> str:
+        """What `rank` is doing as far as the referee knows ("waiting in ...", "running, last finished ...")."""
+        with self._cond:
+            return self._state[rank]
 
     # -- the rendezvous before each collective -----------------------------------------------------
     def check(self, rank: int, sig: Signature) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fsdp_course.context import RankContext, gloo_group
+from fsdp_course.context import CONNECT_TIMEOUT, RankContext, gloo_group
 from fsdp_course.monitor import CollectiveHang, PeerFailed, WorldMonitor
 from fsdp_course.output import capture_ranks
 
@@ -81,6 +83,9 @@ def _validate(fn: object, world_size: object, timeout: object) -> None:
         raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
     if not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
+    if timeout == float("inf"):
+        raise ValueError("timeout must be finite: it is also Gloo's own timeout and bounds every wait; "
+                         "pass a number of seconds, e.g. timeout=600")
 
 
 def run_ranks(fn: Callable[[RankContext], Any], world_size: int, *, timeout: float = 30.0,
@@ -104,7 +109,14 @@ def run_ranks(fn: Callable[[RankContext], Any], world_size: int, *, timeout: flo
         capture.register(rank)
         try:
             store = dist.FileStore(store_path, world_size)
-            group = gloo_group(store, rank, world_size, float(timeout))
+            try:
+                group = gloo_group(store, rank, world_size, float(timeout))
+            except RuntimeError as exc:
+                connect = max(timeout, CONNECT_TIMEOUT)
+                raise RuntimeError(
+                    f"rank {rank} could not connect to its {world_size - 1} peer(s) over loopback within {connect:g} s "
+                    f"(Gloo: {str(exc).splitlines()[0]}). Is the machine overloaded, or does a firewall block "
+                    "127.0.0.1? Close other kernels and try again") from exc
             groups[rank] = group
             ctx = RankContext(rank, world_size, group, seed=seed, monitor=monitor)
             results[rank] = fn(ctx)
@@ -130,6 +142,7 @@ def run_ranks(fn: Callable[[RankContext], Any], world_size: int, *, timeout: flo
             raise
         finally:
             stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+            doing = {r: _whereabouts(threads[r], monitor.state(r)) for r in stuck}
             capture.replay()
     if not stuck:
         for group in groups:
@@ -143,8 +156,10 @@ def run_ranks(fn: Callable[[RankContext], Any], world_size: int, *, timeout: flo
         _remove_after(workdir, [threads[r] for r in stuck])
     if failures or stuck:
         for r in stuck:
-            failures[r] = CollectiveHang(f"rank {r} did not stop within {timeout:g} s after a peer failed; "
-                                         "its thread is left running")
+            failures[r] = CollectiveHang(
+                f"rank {r} did not end within {_grace(timeout):g} s after another rank ended; {doing[r]}. "
+                "Its thread is left running as a daemon (Python cannot stop a thread): restart the kernel if it "
+                "holds on to memory or CPU")
         primary = {r: e for r, e in failures.items() if not isinstance(e, PeerFailed)}
         released = sorted(r for r, e in failures.items() if isinstance(e, PeerFailed))
         if not primary:  # only released ranks: cannot happen unless aborted from outside
@@ -164,15 +179,44 @@ def _remove_after(path: str, threads: list[threading.Thread]) -> None:
     threading.Thread(target=wait_then_remove, name="fsdp-cleanup", daemon=True).start()
 
 
+def _grace(timeout: float) -> float:
+    """Seconds the other ranks get to end once one rank has ended (finished or failed).
+
+    A rank blocked inside a raw Gloo call is released by Gloo's own timeout (the same value), which may have
+    started just before; the half timeout and two seconds are a margin for a loaded machine. So `run_ranks`
+    returns at most `timeout + _grace(timeout)` after a collective that a peer never joins begins, whatever that
+    peer is doing (a rank stuck outside torch is reported as such and left behind as a daemon thread).
+    """
+    return 1.5 * timeout + 2.0
+
+
 def _join(threads: list[threading.Thread], monitor: WorldMonitor) -> None:
-    """Join all threads; once a rank has failed, give the rest about one timeout (plus a margin) to stop."""
+    """Join all threads; once any rank has ended (finished or failed), the rest get `_grace(timeout)` to end."""
     pending = list(threads)
     while pending:
         pending[0].join(0.05)  # short joins keep Ctrl-C / Jupyter's interrupt responsive
-        if monitor.abort.is_set():
-            # a rank blocked inside a raw Gloo call is released by Gloo's own timeout (the same value): margin
-            deadline = time.monotonic() + 1.5 * monitor.timeout + 2.0
-            for t in pending:
-                t.join(max(0.0, deadline - time.monotonic()))
-            return
         pending = [t for t in pending if t.is_alive()]
+        first_end = monitor.first_end
+        if pending and (monitor.abort.is_set() or first_end is not None):
+            deadline = (first_end if first_end is not None else time.monotonic()) + _grace(monitor.timeout)
+            while pending and time.monotonic() < deadline:
+                pending[0].join(min(0.05, max(0.0, deadline - time.monotonic())))
+                pending = [t for t in pending if t.is_alive()]
+            return
+
+
+def _whereabouts(thread: threading.Thread, state: str) -> str:
+    """Where a stuck rank is: the referee's view and, from its Python stack, the innermost line it runs."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    where = ""
+    if frame is not None:
+        stack = traceback.extract_stack(frame)
+        library = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))
+        library += (os.path.dirname(__file__),)
+        mine = [f for f in stack if not f.filename.startswith(library)]
+        shown = [stack[-1]] + ([mine[-1]] if mine and mine[-1] is not stack[-1] else [])
+        where = ", at " + ", called from ".join(
+            f"{os.path.basename(f.filename)}:{f.lineno} ({f.line or f.name})" for f in shown)
+    inside = state.startswith(("waiting in ", "in "))
+    kind = "stuck inside a collective" if inside else "stuck outside the course's collectives"
+    return f"it is {kind} (referee: {state}){where}"

@@ -5,12 +5,16 @@ for all of a notebook's cells, a cap on what a cell may print (a flood would oth
 of it), and a record of which cells ran: a checker cell that never ran must not look like one that ran
 without an error. `TimedExecute` adds those three; `kernel_manager` runs kernels of this interpreter,
 whatever kernel the notebook's metadata names (nbgrader's OverwriteKernelspec resets the metadata only), on
-Unix sockets rather than TCP ports that a Gloo socket may take first (fsdp_course.ports).
+Unix sockets rather than TCP ports that a Gloo socket may take first (fsdp_course.ports). `kill_tree`
+ends a kernel with everything it started, also processes that left its session (start_new_session=True).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +30,7 @@ from traitlets import Float, Integer
 
 from fsdp_course.ports import kernel_transport
 
-__all__ = ["NOT_RUN", "TimedExecute", "error_output", "kernel_manager", "shutdown"]
+__all__ = ["NOT_RUN", "TimedExecute", "error_output", "kernel_manager", "kill_tree", "shutdown"]
 
 NOT_RUN = "NotRun"  # ename of the error output put on cells that never ran
 
@@ -51,18 +55,17 @@ class TimedExecute(Execute):
         self.deadline: float | None = None  # set when the first code cell starts
         self.executed: set[int] = set()
         self.stopped = ""  # why the remaining cells were not run
-        self.pid_file: str | None = None
+        self.kernel_env: dict[str, str] | None = None  # the kernel's environment (default: this process's)
         self._chars: dict[int, int] = {}
 
     def _remaining(self, cell: NotebookNode) -> int:
         left = (self.deadline or time.monotonic()) - time.monotonic()
         return max(1, int(left + 0.999))  # nbclient reads 0 as "no limit"
 
-    async def async_start_new_kernel(self, **kwargs: Any) -> None:
-        await super().async_start_new_kernel(**kwargs)
-        pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
-        if pid and self.pid_file:  # lets the parent kill the kernel's process group if this worker hangs
-            Path(self.pid_file).write_text(str(pid))
+    def start_new_kernel(self, **kwargs: Any) -> None:  # what preprocess() calls (not async_start_new_kernel)
+        if self.kernel_env is not None:
+            kwargs.setdefault("env", self.kernel_env)
+        super().start_new_kernel(**kwargs)
 
     def preprocess_cell(self, cell: NotebookNode, resources: Any, index: int) -> tuple[NotebookNode, Any]:
         if cell.cell_type != "code":
@@ -101,19 +104,72 @@ class TimedExecute(Execute):
         return super().output(outs, msg, display_id, cell_index)
 
 
-def kernel_manager() -> AsyncKernelManager:
-    """A kernel manager for a fresh kernel of this interpreter (the course's environment)."""
-    return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_CurrentPython(), **kernel_transport())
+def kernel_manager(folder: Path | None = None) -> AsyncKernelManager:
+    """A kernel manager for a fresh kernel of this interpreter (the course's environment); with `folder`, the
+    kernel's connection file and sockets go there (not in Jupyter's runtime folder, shared by all kernels)."""
+    if folder is None or os.name == "nt":
+        return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_CurrentPython(), **kernel_transport())
+    return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_CurrentPython(), transport="ipc",
+                              ip=str(folder / "ipc"), connection_file=str(folder / "kernel.json"))
 
 
 def error_output(ename: str, evalue: str) -> NotebookNode:
     return nbformat.v4.new_output("error", ename=ename, evalue=evalue, traceback=[f"{ename}: {evalue}"])
 
 
-# -- one submission ------------------------------------------------------------------------------------
 def shutdown(km: AsyncKernelManager) -> None:
     try:
         if km.has_kernel:
             run_sync(km.shutdown_kernel)(now=True)
     except Exception:  # noqa: BLE001, S110  (already gone)
         pass
+
+
+# -- ending a kernel and all it started ------------------------------------------------------------------
+def _parent_pids() -> dict[int, int]:
+    """{pid: parent pid} of every process: Linux's /proc/PID/stat, else `ps` (macOS)."""
+    if not Path("/proc/self/stat").exists():
+        try:
+            out = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+        except OSError:
+            return {}
+        return {int(pid): int(ppid) for pid, ppid in (line.split() for line in out.splitlines())}
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (command) state ppid ...": the command may hold spaces and parentheses
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            pass  # it ended meanwhile
+    return parents
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_tree(root: int, include_root: bool = True) -> None:
+    """SIGKILL every process below `root` (and `root`), found by parent pid, so also those that left its session
+    or process group. Each is stopped first (it can then neither fork nor end and hand its children to
+    another parent), and the look-up is repeated until it finds no new process."""
+    stopped = {root} if include_root else set()
+    if include_root:
+        _signal(root, signal.SIGSTOP)
+    while True:
+        children: dict[int, list[int]] = {}
+        for pid, ppid in _parent_pids().items():
+            children.setdefault(ppid, []).append(pid)
+        tree, todo = set(), [root]
+        while todo:
+            found = [c for c in children.get(todo.pop(), []) if c not in tree]
+            tree.update(found)
+            todo += found
+        if not tree - stopped:
+            break
+        for pid in tree - stopped:
+            _signal(pid, signal.SIGSTOP)
+        stopped |= tree
+    for pid in stopped:
+        _signal(pid, signal.SIGKILL)

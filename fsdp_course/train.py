@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 2 -m fsdp_course.train --engine torch --config article --meta-init
 
 Several machines: the same command on every node, with `--nnodes 2 --node-rank K --rdzv-backend c10d
---rdzv-endpoint HOST:PORT` (HOST = the first node). Gloo on CPU, NCCL with CUDA, same code path.
+--rdzv-endpoint HOST:PORT --rdzv-conf join_timeout=60` (HOST = the first node; a static --master-port
+waits up to 10 minutes for a peer that never comes). Gloo on CPU, NCCL with CUDA, same code path.
 
 The three engines see the same run: the same initial weights (piecewise seeded init, meta_init.py,
 on every rank, or materialized from the meta device), AdamW, and the same data order: the course's
@@ -23,7 +24,9 @@ Reported per rank: peak RSS (the OS: resource.getrusage) and peak live tensor by
 MemTracker over one step, activations included), beside the median step time and the bytes
 each rank sends per step under the ring model (the ledger). On CPU, glibc's malloc keeps freed
 memory, so RSS can be 2-3x the live bytes: launch with MALLOC_MMAP_THRESHOLD_=65536 for an RSS that
-follows them (benchmarks/fsdp_vs_torch.py measures both).
+follows them (benchmarks/fsdp_vs_torch.py measures both). A non-finite loss stops every rank at
+that step with exit 1: the run diverged (lower --lr). Bad option values fail in the parser, before any
+process group exists.
 """
 
 from __future__ import annotations
@@ -59,28 +62,52 @@ CONFIGS: dict[str, Callable[[], TransformerConfig]] = {"small": TransformerConfi
                                                        "article": TransformerConfig.article}
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: argparse turns the ArgumentTypeError into `argument --steps: must be ...`."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def learning_rate(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0 (seconds), got {text}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked here (argparse's usage error, exit 2) before any process group exists."""
     p = argparse.ArgumentParser(prog="python -m fsdp_course.train", description=__doc__.split("\n")[0])
     p.add_argument("--engine", choices=ENGINES, default="ours")
     p.add_argument("--config", choices=sorted(CONFIGS), default="small")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=32, help="global batch, split over the ranks")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--steps", type=positive_int, default=50)
+    p.add_argument("--batch-size", type=positive_int, default=32, help="global batch, split over the ranks")
+    p.add_argument("--lr", type=learning_rate, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--meta-init", action="store_true",
                    help="build on the meta device and materialize only this rank's shards")
     p.add_argument("--checkpoint", type=Path, help="save the full model here at the end (rank 0 writes)")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds for the rendezvous and each collective")
+    p.add_argument("--log-every", type=positive_int, default=10)
+    p.add_argument("--timeout", type=seconds, default=60.0, help="seconds for the rendezvous and each collective")
     p.add_argument("--json", type=Path, help="rank 0 writes the per-step log and the summary here")
-    args = p.parse_args(argv)
-    if args.steps < 1 or args.batch_size < 1 or args.log_every < 1:
-        p.error("--steps, --batch-size and --log-every must be positive")
-    return args
+    return p.parse_args(argv)
 
 
 def fail(message: str) -> NoReturn:
     raise SystemExit(f"fsdp_course.train: error: {message}")
+
+
+class Diverged(RuntimeError):
+    """The all-reduced loss is not finite: every rank sees the same value and stops at the same step."""
 
 
 def join_world(args: argparse.Namespace) -> RankContext:
@@ -101,7 +128,9 @@ def join_world(args: argparse.Namespace) -> RankContext:
         fail(f"rank {os.environ['RANK']} of {world} could not meet the other ranks at the rendezvous {where} "
              f"within {args.timeout:g} s ({first}). Start every process (on every node the same torchrun "
              "command, with the same --rdzv-endpoint), check the address, the port and the firewall; "
-             "--timeout sets this limit")
+             "--timeout sets this limit. Across machines, launch with torchrun's c10d rendezvous and a join "
+             "timeout (--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-conf join_timeout=60) rather than "
+             "a static --master-port, where torchrun waits up to 10 minutes for peers that never come")
 
 
 @dataclass
@@ -222,7 +251,7 @@ def train(args: argparse.Namespace, ctx: RankContext) -> dict[str, Any]:
         ctx.ledger.mark("metrics")
         if tracker is not None:
             live_peak = peak_tracked_bytes(tracker)
-        elif step > 0 or args.steps == 1:
+        elif step > 0:  # step 0 warms up: with 1 or 2 steps, nothing is timed
             times.append(elapsed)
         sent.append(ctx.ledger.total(label=f"step {step}")[0])
         losses.append(ctx.all_reduce(loss.detach().reshape(1).clone(), op="mean").item())
@@ -230,6 +259,10 @@ def train(args: argparse.Namespace, ctx: RankContext) -> dict[str, Any]:
         if ctx.rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             bar.write(f"step {step + 1:>5}/{args.steps}  loss {losses[-1]:.7f}  time {elapsed * 1e3:8.1f} ms  "
                       f"sent {sent[-1] / 1e3:9.1f} kB{'  (memory tracked)' if tracker else ''}")
+        if not math.isfinite(losses[-1]):  # all-reduced: the same on every rank, so all stop here
+            bar.close()
+            raise Diverged(f"the loss is {losses[-1]} at step {step + 1}/{args.steps}: the run diverged "
+                           f"(lower --lr, now {args.lr:g}; the default is 1e-3)")
     bar.close()
     per_rank = torch.tensor([[peak_rss_bytes(), live_peak]], dtype=torch.float64, device=ctx.device)
     per_rank = ctx.all_gather(per_rank).cpu()  # (world_size, 2): training only, before evaluation and checkpoint
@@ -240,7 +273,7 @@ def train(args: argparse.Namespace, ctx: RankContext) -> dict[str, Any]:
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "params": count_parameters(meta_model(config)),
         "losses": losses, "final_loss": losses[-1], "accuracy": acc,
-        "step_times_s": times, "median_step_s": statistics.median(times),
+        "step_times_s": times, "median_step_s": statistics.median(times) if times else None,
         "bytes_sent_per_step": statistics.median(sent),
         "peak_rss_bytes": [int(v) for v in per_rank[:, 0]], "peak_live_bytes": [int(v) for v in per_rank[:, 1]],
     }
@@ -261,10 +294,12 @@ def save_checkpoint(args: argparse.Namespace, ctx: RankContext, engine: Engine, 
 
 def report(summary: dict[str, Any]) -> str:
     s = summary
+    median = ("n/a (too few steps: the warm-up and the memory-tracked steps are not timed; use --steps 3 or more)"
+              if s["median_step_s"] is None else f"{1e3 * s['median_step_s']:.1f} ms")
     lines = [f"summary: engine={s['engine']} config={s['config']} params={s['params']:,} world={s['world_size']} "
              f"steps={s['steps']} batch={s['batch_size']} meta_init={s['meta_init']} device={s['device']}",
              f"  final loss {s['final_loss']:.6f}   held-out accuracy {100 * s['accuracy']:.1f}%",
-             f"  median step time {1e3 * s['median_step_s']:.1f} ms (timings vary)   "
+             f"  median step time {median} (timings vary)   "
              f"sent per rank per step {s['bytes_sent_per_step'] / 1e6:.3f} MB (ledger, ring model)",
              f"  {'rank':>4}  {'peak RSS':>12}  {'peak live tensors':>18}"]
     for r, (rss, live) in enumerate(zip(s["peak_rss_bytes"], s["peak_live_bytes"], strict=True)):
@@ -282,6 +317,11 @@ def main(argv: list[str] | None = None) -> None:
             if args.json is not None:
                 args.json.write_text(json.dumps(summary, indent=1))
         ctx.barrier()  # leave together: a rank that exits while a peer still talks can abort that peer
+    except Diverged as err:
+        if ctx.rank == 0:  # before the barrier: torchrun stops the other ranks once one has exited
+            print(f"fsdp_course.train: error: {err}", file=sys.stderr, flush=True)
+        ctx.barrier()
+        raise SystemExit(1) from None
     finally:
         ctx.close()
 

@@ -83,6 +83,10 @@ def test_reduce_scatter_both_gloo_forms_agree_with_the_sum(world_size: int) -> N
     (lambda ctx: ctx.all_reduce(torch.ones(2, dtype=torch.int64), op="mean"), TypeError, "floating-point"),
     (lambda ctx: ctx.all_reduce([1.0, 2.0]), TypeError, "torch.Tensor"),
     (lambda ctx: ctx.all_reduce(torch.ones(4, 4).t()), ValueError, "contiguous"),
+    (lambda ctx: ctx.all_reduce(torch.ones(4).to_sparse()), ValueError, "is sparse (torch.sparse_coo); "
+     "collectives take dense tensors: call .to_dense() first"),
+    pytest.param(lambda ctx: ctx.broadcast(torch.eye(2).to_sparse_csr()), ValueError, "call .to_dense() first",
+                 marks=pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")),
     (lambda ctx: ctx.broadcast(torch.ones(2), src=7), ValueError, "src must be a rank"),
     (lambda ctx: ctx.all_gather(torch.tensor(1.0)), ValueError, "at least one dimension"),
     (lambda ctx: ctx.all_gather(torch.ones(2), out=torch.ones(3)), ValueError, "out must have shape"),

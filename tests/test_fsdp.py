@@ -10,6 +10,7 @@ Failures name step, parameter, rank and difference.
 
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -245,6 +246,28 @@ def test_initial_values_and_buffers_come_from_rank_zero():
         assert not any("scale" in n for n in names)  # buffers are not sharded
     with pytest.raises(RankError, match="wrap must be a set of nn.Module classes"):
         run_ranks(lambda ctx: FSDP(copy.deepcopy(base), ctx, wrap={"Linear"}), 1)
+
+
+def test_wrap_class_that_makes_no_unit_warns():
+    torch.manual_seed(0)
+    base = MLP([5, 7, 3])
+
+    def rank_fn(ctx):
+        def units(wrap):  # (unit labels, UserWarning messages)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                labels = [u.label for u in FSDP(copy.deepcopy(base), ctx, wrap=wrap).units]
+            return labels, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+        return units({nn.TransformerEncoderLayer}), units({MLP}), units({nn.Linear, nn.Conv2d}), units({nn.Linear})
+    absent, root_class, one_absent, fine = run_ranks(rank_fn, 1)[0]
+    assert absent[0] == root_class[0] == ["root"]
+    assert "wrap class TransformerEncoderLayer makes no unit of this MLP (no submodule with parameters is a " \
+        "TransformerEncoderLayer), so the whole model is one unit" in absent[1][0]
+    assert "wrap class MLP makes no unit of this MLP (the model itself is one" in root_class[1][0]
+    assert "e.g. wrap={nn.Linear}" in root_class[1][0]
+    assert one_absent[0] == fine[0] == ["layers.0", "layers.1"]
+    assert len(one_absent[1]) == 1 and "Conv2d makes no unit of this MLP" in one_absent[1][0]
+    assert fine[1] == []
 
 
 def test_shards_are_equal_and_padded():

@@ -3,7 +3,10 @@
 One grading run (module fixture, through the CLI, 2 jobs) grades: a correct notebook, a partly correct one with
 cells moved and removed, an untouched stub, one that raises (and floods its output, and deletes the files in its
 folder), one that hangs (short --timeout), malformed JSON, one whose checker cells were edited, emptied and deleted,
-another exercise saved under 01's name, and an empty folder. The tests then read the CSV and the feedback.
+another exercise saved under 01's name, an empty folder, a saboteur (deletes every gradebook it finds beside its
+TMPDIR while the others are graded), and one that kills its grading worker. Two notebooks start a detached
+`sleep` (start_new_session=True) and write its pid. The tests then read the CSV, the feedback and the pids.
+Smaller runs (exercise 01 only, one student) check what is refused up front and Ctrl-C / SIGTERM.
 """
 
 from __future__ import annotations
@@ -11,7 +14,12 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import nbformat
@@ -44,7 +52,42 @@ def _code(source: str) -> nbformat.NotebookNode:
     return nbformat.v4.new_code_cell(source)
 
 
-def _make_class(root: Path) -> None:
+def _sleeper(pid_file: Path) -> str:
+    """A cell that starts a process in a new session (out of the kernel's process group) and writes its pid."""
+    return ("import subprocess\n"
+            "sleeper = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+            f"open({str(pid_file)!r}, 'w').write(str(sleeper.pid))")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+SABOTEUR = """import glob, json, os, time
+found, deadline = [], time.monotonic() + 4
+tmpdir = os.environ["TMPDIR"]
+while time.monotonic() < deadline:  # while the others are graded: every gradebook beside TMPDIR or one folder up
+    for up in (os.path.dirname(tmpdir), os.path.dirname(os.path.dirname(tmpdir))):
+        for path in glob.glob(os.path.join(up, "fsdp_grade_*", "**", "*.db"), recursive=True):
+            found.append(path)
+            os.remove(path)
+    time.sleep(0.1)
+json.dump({"found": found, "beside_tmpdir": sorted(os.listdir(os.path.dirname(tmpdir))),
+           "cwd": os.getcwd(), "tmpdir_parent": os.path.dirname(tmpdir),
+           "pwd": os.environ.get("PWD")}, open(%r, "w"))
+"""
+
+
+def _make_class(root: Path, spy: Path) -> None:
     def put(student: str, nb: nbformat.NotebookNode | str, name: str = f"{EX01}.ipynb") -> None:
         folder = root / student
         folder.mkdir(parents=True, exist_ok=True)
@@ -73,7 +116,17 @@ def _make_class(root: Path) -> None:
                                   "shutil.rmtree('..', ignore_errors=True)"))
     put("raising", raising)
 
+    saboteur = _solve(_exercise(), "my_all_reduce", "ring_all_reduce")
+    saboteur.cells.insert(2, _code(SABOTEUR % str(spy / "saboteur.json")))
+    saboteur.cells.insert(3, _code(_sleeper(spy / "saboteur.pid")))  # the notebook then ends normally
+    put("saboteur", saboteur)
+
+    killer = _exercise()
+    killer.cells.insert(1, _code("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)  # the grading worker"))
+    put("killer", killer)
+
     hanging = _exercise()
+    hanging.cells.insert(2, _code(_sleeper(spy / "hanging.pid")))  # then its time limit stops it
     _cell(hanging, "my_all_reduce").source = ("import time\n\ndef my_all_reduce(ctx, tensor):\n"
                                               "    time.sleep(3600)  # never returns\n")
     put("hanging", hanging)
@@ -98,8 +151,9 @@ def _make_class(root: Path) -> None:
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     root = tmp_path_factory.mktemp("grading")
-    submissions = root / "submissions"
-    _make_class(submissions)
+    submissions, spy = root / "submissions", root / "spy"
+    spy.mkdir()
+    _make_class(submissions, spy)
     out = root / "grades.csv"
     leftovers = lambda: set(Path(tempfile.gettempdir()).glob("fsdp_grade_*"))  # noqa: E731
     before = leftovers()
@@ -109,7 +163,8 @@ def graded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     with out.open() as f:
         rows = {row["student"]: row for row in csv.DictReader(f)}
     feedback = {p.stem: p.read_text() for p in (root / "grades_feedback").glob("*.txt")}
-    return {"status": status, "rows": rows, "feedback": feedback, "submissions": submissions, "left": left}
+    return {"status": status, "rows": rows, "feedback": feedback, "submissions": submissions, "left": left,
+            "spy": spy}
 
 
 def test_grading_leaves_no_temporary_folders(graded: dict[str, object]) -> None:
@@ -118,8 +173,8 @@ def test_grading_leaves_no_temporary_folders(graded: dict[str, object]) -> None:
 
 
 def test_one_row_and_one_feedback_file_per_student(graded: dict) -> None:
-    assert graded["status"] == 0
-    students = {"correct", "different", "empty", "hanging", "malformed", "partly", "raising", "stub", "tampered"}
+    students = {"correct", "different", "empty", "hanging", "killer", "malformed", "partly", "raising", "saboteur",
+                "stub", "tampered"}
     assert set(graded["rows"]) == students
     assert set(graded["feedback"]) == students
     header = list(next(iter(graded["rows"].values())))
@@ -132,6 +187,8 @@ def test_one_row_and_one_feedback_file_per_student(graded: dict) -> None:
     ("partly", "3", "ok"),
     ("stub", "0", "ok"),
     ("raising", "5", "error"),
+    ("saboteur", "5", "ok"),
+    ("killer", "0", "grader-error"),
     ("hanging", "0", "timeout"),
     ("malformed", "0", "invalid"),
     ("different", "0", "invalid"),
@@ -202,13 +259,130 @@ def test_discover_layout(tmp_path: Path) -> None:
     assert ignored["ann"] == [f"submitted/{EX01}.ipynb (a second {EX01}.ipynb; graded: {EX01}.ipynb)"]
 
 
+def test_a_notebook_cannot_reach_the_gradebook_nor_the_other_students(graded: dict) -> None:
+    spy = json.loads((graded["spy"] / "saboteur.json").read_text())
+    assert spy["found"] == []  # no gradebook file exists while notebooks run
+    assert spy["beside_tmpdir"] == ["tmp", "work"]  # the kernel's TMPDIR and cwd share a folder of their own
+    assert os.path.dirname(os.path.dirname(spy["cwd"])) == spy["tmpdir_parent"]
+    assert spy["pwd"] is None  # the environment names no folder of the grader's
+    for student in ("correct", "partly", "stub", "tampered"):  # graded before, beside and after the saboteur
+        assert graded["rows"][student]["status"] in ("ok", "invalid"), graded["rows"][student]
+
+
+def test_a_worker_failure_is_one_row_and_the_exit_status(graded: dict) -> None:
+    assert graded["status"] == 1  # not every notebook could be graded
+    assert "the grading worker exited with code -9 and no result" in graded["feedback"]["killer"]
+    assert graded["rows"]["correct"]["status"] == "ok"
+
+
+def test_no_process_outlives_its_notebook(graded: dict) -> None:
+    # a sleep started in a new session, by a notebook that ended and by one its time limit stopped
+    for name in ("saboteur.pid", "hanging.pid"):
+        pid = int((graded["spy"] / name).read_text())
+        assert not _alive(pid), f"{name}: process {pid} still runs"
+
+
+def test_kill_tree_finds_processes_in_other_sessions() -> None:
+    from fsdp_course.timed_execute import kill_tree
+
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, time\n"
+                               "p = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+                               "print(p.pid, flush=True)\ntime.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    kill_tree(parent.pid)
+    assert parent.wait(timeout=30) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
 def test_a_worker_past_the_hard_limit_is_killed(tmp_path: Path) -> None:
-    os.mkfifo(tmp_path / "gradebook.db")  # reading it blocks forever: a worker that hangs before any kernel
-    job = {"exercise": EX01, "gradebook": str(tmp_path / "gradebook.db"), "pid_file": str(tmp_path / "kernel.pid"),
-           "result": str(tmp_path / "result.json")}
-    result = grading._run_worker(job, tmp_path, hard_limit=1.0)
-    assert result["status"] == "timeout" and "stopped this notebook after 1 s" in result["notes"][0]
-    assert json.loads((tmp_path / "job.json").read_text())["exercise"] == EX01
+    os.mkfifo(tmp_path / "sub.ipynb")  # reading it blocks forever: a worker that hangs before any kernel
+    job = {"submission": str(tmp_path / "sub.ipynb"), "exercise": EX01, "student": "x", "timeout": 0.5, "order": {}}
+    before = set(Path(tempfile.gettempdir()).glob("fsdp_grade_*"))
+    result = grading._run_worker(job, "", hard_limit=1.0)
+    assert result["status"] == "grader-error"
+    assert "stopped this notebook's worker after 1 s" in result["notes"][0]
+    assert set(Path(tempfile.gettempdir()).glob("fsdp_grade_*")) <= before  # its folders are removed
+
+
+def _one_student(tmp_path: Path, notebook: nbformat.NotebookNode | None) -> tuple[Path, Path]:
+    """A class of one (exercise 01 only, so the gradebook builds fast): (submissions, solutions)."""
+    solutions, submissions = tmp_path / "solutions", tmp_path / "submissions"
+    solutions.mkdir()
+    shutil.copy(ROOT / "solutions" / f"{EX01}.ipynb", solutions)
+    (submissions / "ann").mkdir(parents=True)
+    if notebook is not None:
+        nbformat.write(notebook, submissions / "ann" / f"{EX01}.ipynb")
+    return submissions, solutions
+
+
+def test_nothing_to_grade_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    submissions, solutions = _one_student(tmp_path, None)
+    args = ["grade", str(submissions), "--out", str(tmp_path / "g.csv"), "--solutions", str(solutions)]
+    assert cli.main(args) == 2  # a student folder, but no exercise notebook in it
+    assert "student folders (ann) but no exercise notebook in them" in capsys.readouterr().err
+    (submissions / "ann").rmdir()
+    assert cli.main(args) == 2  # an empty class
+    err = capsys.readouterr().err
+    assert "holds no student folder" in err and f"/alice/{EX01}.ipynb" in err
+    (submissions / "ann.ipynb").write_text("{}")
+    (submissions / "bob.ipynb").write_text("{}")
+    assert cli.main(args) == 2  # notebooks placed flat
+    assert "notebooks outside student folders (ann.ipynb, bob.ipynb)" in capsys.readouterr().err
+    assert not (tmp_path / "g.csv").exists()
+
+
+def test_a_bad_out_fails_before_grading(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    submissions, solutions = _one_student(tmp_path, _exercise())
+    started = time.monotonic()
+    for out, message in [(tmp_path, "is a folder: name the CSV file to write"),
+                         (tmp_path / "nowhere" / "g.csv", "does not exist: create it")]:
+        assert cli.main(["grade", str(submissions), "--out", str(out), "--solutions", str(solutions)]) == 2
+        assert message in capsys.readouterr().err
+    assert time.monotonic() - started < 10  # refused before the gradebook, let alone any notebook
+
+
+def test_ctrl_c_and_sigterm_stop_promptly_and_write_what_was_graded(tmp_path: Path) -> None:
+    runs = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        folder = tmp_path / signum.name
+        folder.mkdir()
+        hanging = _exercise()
+        hanging.cells.insert(1, _code(_sleeper(folder / "sleeper.pid") + "\nimport time\ntime.sleep(3600)"))
+        submissions, solutions = _one_student(folder, hanging)
+        tmp = Path(tempfile.mkdtemp(prefix="fg"))  # the run's own TMPDIR, short (Unix socket paths), to check
+        proc = subprocess.Popen([sys.executable, "-m", "fsdp_course.cli", "grade", str(submissions), "--out",
+                                 str(folder / "g.csv"), "--solutions", str(solutions), "--timeout", "600"],
+                                cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        runs[signum] = (folder, tmp, proc)
+    try:
+        for signum, (folder, tmp, proc) in runs.items():
+            deadline = time.monotonic() + 300  # imports, the gradebook, a worker and a kernel on a loaded machine
+            while not (folder / "sleeper.pid").exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert (folder / "sleeper.pid").exists(), proc.communicate(timeout=60)[0]
+            time.sleep(0.5)
+            proc.send_signal(signum)
+            sent = time.monotonic()
+            output = proc.communicate(timeout=60)[0]
+            took = time.monotonic() - sent
+            assert proc.returncode == 128 + signum, output
+            assert took < 20, output  # a few seconds; generous for a loaded machine
+            assert f"stopped by {signum.name}" in output
+            with (folder / "g.csv").open() as f:
+                (row,) = csv.DictReader(f)
+            assert (row["student"], row["status"], row[EX01]) == ("ann", "partial", "0")
+            assert "not graded: the grading was stopped" in (folder / "g_feedback" / "ann.txt").read_text()
+            assert not _alive(int((folder / "sleeper.pid").read_text()))
+            assert sorted(p.name for p in tmp.iterdir()) == []  # no fsdp_grade_*, pymp-*, kernel sockets
+    finally:
+        for _, tmp, proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,7 +7,9 @@ the losses of the 2-process run, since every world size computes the step one pr
 """
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -141,4 +143,58 @@ def test_unreachable_rendezvous_fails_fast_with_a_clear_message() -> None:
     rc, out, err = finish(start([sys.executable, *TRAIN[:-2], "--timeout", "2"], env), 60)
     assert rc != 0
     assert f"rank 1 of 2 could not meet the other ranks at the rendezvous 127.0.0.1:{port} within 2 s" in err
+    assert "--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-conf join_timeout=60" in err  # not --master-port
     assert time.monotonic() - began < 45
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "0"], "--steps: must be a positive integer, got 0"),
+    (["--steps", "-3"], "--steps: must be a positive integer, got -3"),
+    (["--batch-size", "0"], "--batch-size: must be a positive integer, got 0"),
+    (["--log-every", "-1"], "--log-every: must be a positive integer, got -1"),
+    (["--lr", "-0.1"], "--lr: must be a finite number >= 0, got -0.1"),
+    (["--lr", "nan"], "--lr: must be a finite number >= 0, got nan"),
+    (["--timeout", "0"], "--timeout: must be a finite number > 0 (seconds), got 0"),
+    (["--timeout", "-5"], "--timeout: must be a finite number > 0 (seconds), got -5"),
+    (["--timeout", "nan"], "--timeout: must be a finite number > 0 (seconds), got nan"),
+])
+def test_bad_values_are_rejected_by_the_parser(argv: list[str], says: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from fsdp_course.train import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)  # before any process group: no torchrun needed
+    assert exit_.value.code == 2  # argparse's usage error
+    assert says in capsys.readouterr().err
+
+
+def test_good_values_pass_the_parser() -> None:
+    from fsdp_course.train import parse_args
+
+    args = parse_args(["--steps", "1", "--batch-size", "2", "--log-every", "1", "--lr", "0", "--timeout", "0.5"])
+    assert (args.steps, args.batch_size, args.log_every, args.lr, args.timeout) == (1, 2, 1, 0.0, 0.5)
+
+
+TINY = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--max-restarts", "0", "-m", "fsdp_course.train",
+        "--engine", "ddp", "--batch-size", "4", "--log-every", "1", "--timeout", "60"]
+
+
+def test_one_step_reports_no_median_instead_of_crashing(tmp_path: Path) -> None:
+    # One step is memory-tracked, none timed: the summary says so instead of statistics.StatisticsError.
+    cmd = [TORCHRUN, "--master-port", str(free_port()), *TINY, "--steps", "1", "--json", str(tmp_path / "log.json")]
+    rc, out, err = finish(start(cmd))  # tiny, but torch starts slowly on a loaded machine
+    assert rc == 0, f"--steps 1 failed:\n{out[-2000:]}\n{err[-4000:]}"
+    assert "summary: engine=ddp" in out and "median step time n/a" in out
+    log = json.loads((tmp_path / "log.json").read_text())
+    assert log["median_step_s"] is None and log["step_times_s"] == [] and len(log["losses"]) == 1
+
+
+def test_a_diverged_run_says_so_and_fails() -> None:
+    cmd = [TORCHRUN, "--master-port", str(free_port()), *TINY, "--steps", "20", "--lr", "1e6"]
+    rc, out, err = finish(start(cmd))  # tiny, but torch starts slowly on a loaded machine
+    assert rc != 0, f"a nan loss must fail the run:\n{out[-2000:]}\n{err[-4000:]}"
+    assert "the run diverged" in err and "lower --lr" in err
+    assert "summary:" not in out  # no report of a broken model
+    logged = re.findall(r"step +(\d+)/20 +loss (\S+)", out)  # --log-every 1: every step, by rank 0
+    assert logged and len(logged) < 20, "training stops at the first non-finite loss"
+    assert all(math.isfinite(float(loss)) for _, loss in logged[:-1]) and not math.isfinite(float(logged[-1][1]))

@@ -1,0 +1,181 @@
+"""Bad input and stuck ranks: run_ranks always returns, and NaN, inf and half-precision means come out right."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from fsdp_course import RankError, run_ranks
+from fsdp_course.monitor import CollectiveHang
+from fsdp_course.simulate import _grace
+
+
+def test_a_rank_stuck_outside_torch_cannot_hang_run_ranks() -> None:
+    release = threading.Event()
+
+    def fn(ctx):
+        if ctx.rank == 0:
+            ctx.barrier()
+        else:
+            release.wait()  # stuck outside torch: no collective, no Gloo timeout will free it
+
+    start = time.monotonic()
+    try:
+        with pytest.raises(RankError) as info:
+            run_ranks(fn, 2, timeout=1)
+        elapsed = time.monotonic() - start
+    finally:
+        release.set()  # let the daemon thread end: nothing outlives the test
+    bound = 1 + _grace(1)
+    assert elapsed < bound + 2, f"run_ranks took {elapsed:.1f} s, bound {bound:g} s"
+    err = info.value
+    assert sorted(err.failures) == [0, 1]
+    assert "barrier #1: rank(s) 1 never joined it" in str(err.failures[0])
+    stuck = str(err.failures[1])
+    assert isinstance(err.failures[1], CollectiveHang)
+    assert "stuck outside the course's collectives" in stuck and "release.wait()" in stuck
+    assert "left running as a daemon" in stuck
+
+
+def test_a_rank_that_never_ends_after_its_peers_finished_is_reported() -> None:
+    release = threading.Event()
+
+    def fn(ctx):
+        if ctx.rank == 1:
+            release.wait()
+        return ctx.rank
+
+    start = time.monotonic()
+    try:
+        with pytest.raises(RankError, match="rank 1 did not end within") as info:
+            run_ranks(fn, 2, timeout=0.5)
+    finally:
+        release.set()
+    assert time.monotonic() - start < _grace(0.5) + 2
+    assert list(info.value.failures) == [1]
+
+
+def test_a_rank_finishing_later_within_the_grace_is_fine() -> None:
+    def fn(ctx):
+        if ctx.rank == 1:
+            time.sleep(0.5)
+        return ctx.rank
+
+    assert run_ranks(fn, 2, timeout=1) == [0, 1]
+
+
+@pytest.mark.parametrize("holder", [0, 1, 2])
+def test_max_keeps_a_nan_whichever_rank_holds_it(holder: int) -> None:
+    def fn(ctx):
+        t = torch.tensor([1.0, 2.0, float("-inf"), 4.0]) * (ctx.rank + 1)
+        if ctx.rank == holder:
+            t[1] = float("nan")
+        if ctx.rank == 2:
+            t[3] = float("inf")
+        return ctx.all_reduce(t, op="max")
+
+    for out in run_ranks(fn, 3):
+        expected = torch.tensor([3.0, float("nan"), float("-inf"), float("inf")])
+        torch.testing.assert_close(out, expected, equal_nan=True)
+
+
+def test_max_norm_clipping_sees_a_nan_on_any_rank() -> None:
+    """The infinity-norm of sharded gradients: one process's clip_grad_norm_ returns nan, so must the ranks."""
+    grads = [torch.tensor([0.5, -1.93]), torch.tensor([float("nan"), 0.1])]
+    one = torch.nn.utils.get_total_norm(grads, norm_type=float("inf"))
+    assert one.isnan()
+
+    def fn(ctx):
+        return ctx.all_reduce(grads[ctx.rank].abs().max().reshape(1), op="max").item()
+
+    assert all(v != v for v in run_ranks(fn, 2))  # nan != nan
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_mean_is_one_process_mean_and_does_not_overflow(dtype: torch.dtype) -> None:
+    # float16: fits, but two of them summed do not; bfloat16 has float32's range: rounded once, as one process
+    big = torch.finfo(dtype).max / 2 * 1.5 if dtype == torch.float16 else 1001.0
+
+    def fn(ctx):
+        t = torch.tensor([big, 1.0, -3.0], dtype=dtype)
+        chunks = torch.full((4,), big, dtype=dtype)
+        return ctx.all_reduce(t, op="mean"), ctx.reduce_scatter(chunks, op="mean"), ctx.ledger
+
+    for mean, scattered, ledger in run_ranks(fn, 2):
+        expected = torch.stack([torch.tensor([big, 1.0, -3.0], dtype=dtype)] * 2).float().mean(0).to(dtype)
+        assert torch.isfinite(mean).all() and torch.equal(mean, expected)
+        assert mean.dtype == dtype and scattered.dtype == dtype
+        assert torch.equal(scattered, torch.full((2,), big, dtype=dtype).float().to(dtype))
+        assert ledger.select("all_reduce")[0].payload_bytes == 3 * 4  # summed in float32: what was sent
+
+
+def test_sums_propagate_inf_and_nan_like_one_process() -> None:
+    def fn(ctx):
+        t = torch.tensor([float("inf"), 1.0, float("inf")])
+        if ctx.rank == 1:
+            t = torch.tensor([1.0, float("nan"), float("-inf")])
+        return ctx.all_reduce(t)
+
+    for out in run_ranks(fn, 2):
+        torch.testing.assert_close(out, torch.tensor([float("inf"), float("nan"), float("nan")]), equal_nan=True)
+
+
+def test_an_infinite_timeout_is_refused_before_anything_is_made() -> None:
+    with pytest.raises(ValueError, match="timeout must be finite"):
+        run_ranks(print, 2, timeout=float("inf"))
+
+
+def test_a_tiny_timeout_still_connects_and_times_out_collectives_only() -> None:
+    """Gloo's connect with a 1 ms timeout failed, and sometimes crashed the process: the group connects first."""
+    code = (
+        "import torch\n"
+        "from fsdp_course import run_ranks, RankError\n"
+        "for _ in range(3):\n"
+        "    assert run_ranks(lambda c: c.rank, 3, timeout=1e-3) == [0, 1, 2]\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_send_and_recv_around_a_ring() -> None:
+    def ring(ctx):
+        right, left = (ctx.rank + 1) % ctx.world_size, (ctx.rank - 1) % ctx.world_size
+        work = ctx.isend(torch.full((3,), float(ctx.rank)), right, tag=7)
+        got = ctx.recv(torch.empty(3), left, tag=7)
+        work.wait()
+        return got
+
+    for rank, got in enumerate(run_ranks(ring, 3)):
+        assert torch.equal(got, torch.full((3,), float((rank - 1) % 3)))
+
+
+def test_every_rank_sending_first_is_named_a_deadlock() -> None:
+    def everyone_sends_first(ctx):
+        right, left = (ctx.rank + 1) % ctx.world_size, (ctx.rank - 1) % ctx.world_size
+        ctx.send(torch.ones(1 << 20), right)  # 4 MB: no socket buffer absorbs it, the send waits for a recv
+        ctx.recv(torch.empty(1 << 20), left)
+
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(everyone_sends_first, 3, timeout=1)
+    assert time.monotonic() - start < 1 + _grace(1) + 2
+    text = str(info.value)
+    assert "deadlock: every rank waits in send while no rank receives" in text
+    assert "rank 2: waiting in send to rank 0 (tag 0, shape (1048576,), float32)" in text
+    assert "Post the receive first" in text
+
+
+def test_a_send_to_itself_or_outside_the_world_is_refused() -> None:
+    def fn(ctx):
+        with pytest.raises(ValueError, match="the peer must be another rank in 0..1"):
+            ctx.send(torch.ones(2), ctx.rank)
+        with pytest.raises(ValueError, match="got 5"):
+            ctx.recv(torch.ones(2), 5)
+
+    run_ranks(fn, 2)
