@@ -27,7 +27,7 @@ from fsdp_course.monitor import WorldMonitor
 __all__ = ["RankContext", "gloo_group"]
 
 
-CONNECT_TIMEOUT = 5.0  # seconds the ranks get to connect, however short the collectives' timeout
+CONNECT_TIMEOUT = 2.0  # seconds the ranks get to connect, however short the collectives' timeout
 
 
 def gloo_group(store: dist.Store, rank: int, world_size: int, timeout: float) -> dist.ProcessGroup:
@@ -37,7 +37,8 @@ def gloo_group(store: dist.Store, rank: int, world_size: int, timeout: float) ->
     milliseconds (more on a loaded machine), and a connection that times out can crash the process (seen here
     with 3 ranks and 1 ms), so the group connects with at least `CONNECT_TIMEOUT` and then sets `timeout` as the
     default of its collectives (`_set_default_timeout`). Gloo's raw `send`/`recv` works still wait up to the connect
-    timeout unless `wait()` is given one: `collectives.isend`/`irecv` pass `timeout`.
+    timeout unless `wait()` is given one (`collectives.isend`/`irecv` pass `timeout`); at 2 s that stays inside the
+    time `run_ranks` gives the other ranks once one has ended (1.5 * timeout + 2 s).
     """
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
