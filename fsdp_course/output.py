@@ -5,7 +5,7 @@ threads that redirect it restore each other's streams and can leave the kernel's
 And printing straight from threads in Jupyter interleaves mid-line and lands in whichever cell runs
 when the stream is flushed (ipykernel routes output by the executing cell, not by thread).
 
-What works (see shared/DESIGN.md, "Output"): one thread-aware stream is put in place of
+What works (docs/ARCHITECTURE.md, "Traps of ranks as threads"): one thread-aware stream is put in place of
 `sys.stdout` / `sys.stderr` while ranks run. Text written by a registered rank thread goes to that
 rank's buffer; text from any other thread goes to the stream that was there before. After the
 ranks have joined, `replay()` prints each rank's buffer in rank order, every line marked

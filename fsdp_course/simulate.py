@@ -6,7 +6,7 @@ on the same file there and builds its own `ProcessGroupGloo` on it (exactly what
 Java with `new FileStore("/tmp/fsdp_store", worldSize)`, minus its fixed path). Every collective is
 real Gloo over loopback TCP; only the processes are threads.
 
-What it adds for a notebook (see shared/DESIGN.md, "Traps"):
+What it adds for a notebook (docs/ARCHITECTURE.md, "Traps of ranks as threads"):
 - each rank's prints are captured and replayed in rank order after the join (output.py);
 - a rank that raises releases the others, and `RankError` names it with its traceback;
 - mismatched or abandoned collectives are reported by name instead of hanging (monitor.py);

@@ -1,8 +1,8 @@
 """Equivalence harness (a helper module, not a test file): N ranks versus one process, step by step.
 
-The proof every engine owes (issue 3, "Proof"): train it on N simulated ranks, each on its contiguous
-slice of the global batch, and train one plain process on the whole global batch, then compare at
-every step:
+The proof every engine owes (docs/ARCHITECTURE.md, "Equivalence under Adam"): train it on N simulated
+ranks, each on its contiguous slice of the global batch, and train one plain process on the whole
+global batch, then compare at every step:
   - the loss (mean of the ranks' losses; the slices are equal) and every averaged gradient, per
     tensor: relative norm of the difference <= tol;
   - the parameters after the step: elementwise relative to the tensor's largest value (SGD), or in

@@ -1,4 +1,4 @@
-"""FSDP against one process on the same global batch, plus every edge case issue 3 lists.
+"""FSDP against one process on the same global batch, plus the edge cases of wrapping and sharding.
 
 Equivalence: world sizes 1-4 (3 forces padding), SGD and AdamW, 5 steps, MLP and Transformer.
 Per step the averaged gradients and the loss match one process tightly; parameters match

@@ -2,7 +2,7 @@
 
 The course's FSDP and PyTorch's fully_shard start from the same weights, see the same batches and
 use AdamW: losses must agree at every step and the final parameters in global norm (elementwise
-equality is not expected with Adam: see shared/DESIGN.md). The two-node run (4 ranks) must give
+equality is not expected with Adam: see docs/ARCHITECTURE.md). The two-node run (4 ranks) must give
 the losses of the 2-process run, since every world size computes the step one process would.
 """
 

@@ -4,7 +4,7 @@ The proof a data-parallel exercise owes (as in CS336's FSDP checks and the engin
 each on its contiguous slice of every global batch, must produce the loss, the averaged gradients
 and the parameters that one process produces on the whole batch, step by step, under SGD
 (elementwise; under Adam a mathematically zero gradient turns rounding noise into full steps, see
-shared/DESIGN.md). Models are built once in the calling thread, without touching the global RNG
+docs/ARCHITECTURE.md). Models are built once in the calling thread, without touching the global RNG
 (threads share it), and every rank trains a deep copy.
 """
 
