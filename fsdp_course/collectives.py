@@ -94,29 +94,29 @@ def all_reduce(ctx: RankContext, tensor: torch.Tensor, op: str = "sum") -> torch
     NaN and inf come out as one process's `torch.stack(...).sum(0)` / `.mean(0)` / `.amax(0)` would give them:
     Gloo's MAX keeps a NaN only when it happens to come first, so "max" carries a NaN mask beside the values (one
     call of twice the size). "mean" of float16/bfloat16 sums in float32 and rounds once at the end, so a mean that
-    fits is not lost to an overflowing sum (the ledger records the float32 bytes this sends).
+    fits is not lost to an overflowing sum. The ledger records the logical payload (the tensor in its own dtype),
+    as for every collective, not these implementation bytes.
     """
     _check_tensor(ctx, "all_reduce", tensor)
     _check_op("all_reduce", op, tensor)
     sig = _begin(ctx, "all_reduce", [tensor], f"op={op}")
     opts = dist.AllreduceOptions()
     opts.reduceOp = _REDUCE_OPS[op]
-    sent = tensor
     if op == "max" and tensor.is_floating_point():
         nan = tensor.isnan()
-        sent = torch.cat([tensor.masked_fill(nan, float("-inf")).reshape(-1), nan.to(tensor.dtype).reshape(-1)])
-        ctx.group.allreduce([sent], opts).wait()
-        values, any_nan = sent.chunk(2)
+        both = torch.cat([tensor.masked_fill(nan, float("-inf")).reshape(-1), nan.to(tensor.dtype).reshape(-1)])
+        ctx.group.allreduce([both], opts).wait()
+        values, any_nan = both.chunk(2)
         tensor.copy_(values.masked_fill(any_nan > 0, float("nan")).view_as(tensor))
     elif op == "mean" and tensor.dtype in _HALF:
-        sent = tensor.float()
-        ctx.group.allreduce([sent], opts).wait()
-        tensor.copy_(sent.div_(ctx.world_size))
+        wide = tensor.float()
+        ctx.group.allreduce([wide], opts).wait()
+        tensor.copy_(wide.div_(ctx.world_size))
     else:
         ctx.group.allreduce([tensor], opts).wait()
         if op == "mean":
             tensor.div_(ctx.world_size)
-    _end(ctx, sig, sent.numel() * sent.element_size())
+    _end(ctx, sig, tensor.numel() * tensor.element_size())
     return tensor
 
 
@@ -191,7 +191,7 @@ def reduce_scatter(ctx: RankContext, tensor: torch.Tensor, op: str = "sum",
         out.div_(n)
     if wide:
         final.copy_(out)
-    _end(ctx, sig, tensor.numel() * tensor.element_size())
+    _end(ctx, sig, final.numel() * n * final.element_size())  # the logical payload, in the caller's dtype
     return final
 
 

@@ -98,11 +98,22 @@ def save_sharded(fsdp: FSDP, directory: str, optimizer: torch.optim.Optimizer | 
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getvalue()
-    with open(os.path.join(directory, rank_file(fsdp.ctx.rank)), "wb") as f:
-        f.write(data)
-    digest = torch.tensor(list(hashlib.sha256(data).digest()), dtype=torch.uint8)  # (32,)
-    digests = fsdp.ctx.all_gather(digest).reshape(fsdp.ctx.world_size, 32)  # every rank's
-    sizes = fsdp.ctx.all_gather(torch.tensor([len(data)]))  # (world_size,)
+    device = fsdp.ctx.device  # the group's device: NCCL gathers only CUDA tensors
+    try:
+        with open(os.path.join(directory, rank_file(fsdp.ctx.rank)), "wb") as f:
+            f.write(data)
+        size, error = len(data), None
+    except OSError as exc:  # a rank that raised here alone would leave the others waiting below
+        size, error = -1, exc
+    digest = torch.tensor(list(hashlib.sha256(data).digest()), dtype=torch.uint8, device=device)  # (32,)
+    digests = fsdp.ctx.all_gather(digest).reshape(fsdp.ctx.world_size, 32).cpu()  # every rank's
+    sizes = fsdp.ctx.all_gather(torch.tensor([size], device=device)).cpu()  # (world_size,)
+    if error is not None:
+        raise error
+    if (sizes < 0).any():
+        bad = [r for r in range(fsdp.ctx.world_size) if sizes[r] < 0]
+        raise RuntimeError(f"checkpoint not saved: rank(s) {bad} could not write their file in {directory} "
+                           "(see their errors); no metadata.json was written")
     if fsdp.ctx.rank == 0:
         meta = _metadata(fsdp)
         meta["files"] = [{"name": rank_file(r), "bytes": int(sizes[r]), "sha256": bytes(digests[r].tolist()).hex()}
@@ -124,9 +135,9 @@ def load_sharded(fsdp: FSDP, directory: str, optimizer: torch.optim.Optimizer | 
         payload, error = _read_checked(fsdp, directory, optimizer), None
     except Exception as exc:  # any: a rank that raised here alone would leave the others waiting below
         payload, error = None, exc
-    failed = torch.zeros(fsdp.ctx.world_size)
+    failed = torch.zeros(fsdp.ctx.world_size, device=fsdp.ctx.device)  # the group's device (NCCL: CUDA)
     failed[fsdp.ctx.rank] = error is not None
-    fsdp.ctx.all_reduce(failed)  # which ranks found a problem
+    failed = fsdp.ctx.all_reduce(failed).cpu()  # which ranks found a problem
     if error is not None:
         raise error
     if failed.any():

@@ -109,6 +109,10 @@ class WorldMonitor:
         with self._cond:
             live = {r: s for r, s in enumerate(self._state) if not self._terminal[r]}
             report = self.report()
+        ended = [r for r, s in enumerate(self._state) if s.startswith("finished")]
+        if ended:
+            return (f"rank(s) {', '.join(map(str, ended))} ended without posting the matching send or recv:\n"
+                    f"{report}")
         if live and all(s.startswith("waiting in send") for s in live.values()):
             return ("deadlock: every rank waits in send while no rank receives (a send completes only once its "
                     "peer posts the matching recv). Post the receive first, or start the send with isend, then "

@@ -111,7 +111,8 @@ def test_a_half_precision_mean_is_one_process_mean_and_does_not_overflow(dtype: 
         assert torch.isfinite(mean).all() and torch.equal(mean, expected)
         assert mean.dtype == dtype and scattered.dtype == dtype
         assert torch.equal(scattered, torch.full((2,), big, dtype=dtype).float().to(dtype))
-        assert ledger.select("all_reduce")[0].payload_bytes == 3 * 4  # summed in float32: what was sent
+        assert ledger.select("all_reduce")[0].payload_bytes == 3 * 2  # the logical payload, in the tensor's dtype
+        assert ledger.select("reduce_scatter")[0].payload_bytes == 4 * 2
 
 
 def test_sums_propagate_inf_and_nan_like_one_process() -> None:
@@ -179,3 +180,36 @@ def test_a_send_to_itself_or_outside_the_world_is_refused() -> None:
             ctx.recv(torch.ones(2), 5)
 
     run_ranks(fn, 2)
+
+
+def test_a_send_to_a_rank_that_ended_is_not_called_a_deadlock() -> None:
+    def fn(ctx):
+        if ctx.rank == 0:
+            ctx.send(torch.ones(1 << 20), 1)  # rank 1 returns without receiving
+
+    with pytest.raises(RankError) as info:
+        run_ranks(fn, 2, timeout=1)
+    text = str(info.value)
+    assert "rank(s) 1 ended without posting the matching send or recv" in text and "deadlock" not in text
+
+
+def test_a_checkpoint_a_rank_cannot_write_fails_on_every_rank(tmp_path) -> None:
+    from torch import nn
+
+    from fsdp_course.fsdp import FSDP
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "shard_rank1.pt").mkdir()  # rank 1 cannot open its file for writing
+
+    def fn(ctx):
+        import copy
+        FSDP(copy.deepcopy(base), ctx, wrap={nn.Linear}).save_sharded(str(target))
+
+    with pytest.raises(RankError) as info:
+        run_ranks(fn, 2, timeout=10)
+    assert sorted(info.value.failures) == [0, 1]
+    assert "rank(s) [1] could not write their file" in str(info.value.failures[0])
+    assert not (target / "metadata.json").exists()
