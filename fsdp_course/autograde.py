@@ -219,9 +219,13 @@ def _kernel_env(tmpdir: Path) -> dict[str, str]:
     return {**env, "TMPDIR": str(tmpdir)}  # the kernel's temporary files (run_ranks' stores...) stay in the sandbox
 
 
-def grade_notebook(job: dict[str, Any], gradebook: str) -> dict[str, Any]:
+def grade_notebook(job: dict[str, Any], gradebook: str, *, reap: bool = False) -> dict[str, Any]:
     """Grade `job["submission"]` as exercise `job["exercise"]` against `gradebook` (SQL text); never raises.
-    The kernel runs in the folder `job["sandbox"]`; its connection file goes to `job["private"]`."""
+    The kernel runs in the folder `job["sandbox"]`; its connection file goes to `job["private"]`.
+
+    Afterwards the kernel and every process below it are killed. With `reap` (a process of its own that grades
+    one notebook: the grader's worker, `main`), this process also adopts orphans and kills all its descendants,
+    so a notebook's double-forked daemon ends too; without it, other children of the caller are left alone."""
     started = time.monotonic()
     exercise = job["exercise"]
     result: dict[str, Any] = {"exercise": exercise, "status": "ok", "notes": [], "checks": [], "errors": []}
@@ -235,7 +239,7 @@ def grade_notebook(job: dict[str, Any], gradebook: str) -> dict[str, Any]:
         return result
     try:
         with _memory_gradebook(gradebook) as db_url:
-            return _grade(nb, job, db_url, result, started)
+            return _grade(nb, job, db_url, result, started, reap)
     except Exception as exc:  # noqa: BLE001  (a grader problem: reported, never silent)
         result["status"] = "grader-error"
         result["notes"].append(f"grading failed: {type(exc).__name__}: {exc}"[:500])
@@ -244,7 +248,7 @@ def grade_notebook(job: dict[str, Any], gradebook: str) -> dict[str, Any]:
 
 
 def _grade(nb: NotebookNode, job: dict[str, Any], db_url: str, result: dict[str, Any],
-           started: float) -> dict[str, Any]:
+           started: float, reap: bool) -> dict[str, Any]:
     exercise, student = job["exercise"], job["student"]
     infos = exercise_ids(db_url)
     info = dict(infos[exercise], order=job["order"][exercise])
@@ -264,14 +268,18 @@ def _grade(nb: NotebookNode, job: dict[str, Any], db_url: str, result: dict[str,
     executor = TimedExecute(timeout=None, notebook_timeout=float(job["timeout"]),
                             max_output_chars=int(job.get("max_output_chars", 20_000)), raise_on_iopub_timeout=False)
     executor.kernel_env = _kernel_env(tmpdir)
-    _adopt_orphans()
+    if reap:
+        _adopt_orphans()
     km = kernel_manager(Path(job["private"]))
     try:
         nb, _ = executor.preprocess(nb, {"metadata": {"path": str(work)}}, km=km)
     except Exception as exc:  # noqa: BLE001  (e.g. the kernel never started)
         executor.stopped = executor.stopped or f"{type(exc).__name__}: {exc}"
     finally:
-        kill_tree(os.getpid(), include_root=False)  # the kernel and all below it: this process has no other child
+        if reap:
+            kill_tree(os.getpid(), include_root=False)  # the kernel and all below it: we have no other child
+        elif getattr(km.provisioner, "pid", None):
+            kill_tree(km.provisioner.pid)  # the kernel and all below it
         shutdown(km)
     for index, cell in enumerate(nb.cells):
         if cell.cell_type == "code" and index not in executor.executed and not cell.get("outputs"):
@@ -329,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     job = json.loads(Path(args[0]).read_text())
     with tempfile.TemporaryDirectory(prefix="fsdp_grade_", ignore_cleanup_errors=True) as sandbox, \
             tempfile.TemporaryDirectory(prefix="fsdp_grade_") as private:
-        result = grade_notebook({**job, "sandbox": sandbox, "private": private}, gradebook_sql(Path(job["gradebook"])))
+        result = grade_notebook({**job, "sandbox": sandbox, "private": private}, gradebook_sql(Path(job["gradebook"])),
+                                reap=True)
     Path(job["result"]).write_text(json.dumps(result))
     return 0
 

@@ -147,7 +147,7 @@ def _worker(job: dict[str, Any], gradebook: str, send: Any) -> None:
     os.chdir("/")
     from fsdp_course import autograde
 
-    send.send(autograde.grade_notebook(job, gradebook))
+    send.send(autograde.grade_notebook(job, gradebook, reap=True))
 
 
 def _unfinished(exercise: str, status: str, note: str) -> dict[str, Any]:
@@ -317,6 +317,8 @@ def run(args: Any) -> int:
     def on_signal(signum: int, frame: Any) -> None:
         caught.append(signum)
         stop.set()
+        for s, handler in previous.items():  # a second Ctrl-C or SIGTERM stops the grader at once
+            signal.signal(s, handler)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

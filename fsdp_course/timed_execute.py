@@ -107,7 +107,7 @@ class TimedExecute(Execute):
 def kernel_manager(folder: Path | None = None) -> AsyncKernelManager:
     """A kernel manager for a fresh kernel of this interpreter (the course's environment); with `folder`, the
     kernel's connection file and sockets go there (not in Jupyter's runtime folder, shared by all kernels)."""
-    if folder is None or os.name == "nt":
+    if folder is None or os.name == "nt" or len(str(folder / "ipc-00000")) > 100:  # a Unix socket path: < 108 B
         return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_CurrentPython(), **kernel_transport())
     return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_CurrentPython(), transport="ipc",
                               ip=str(folder / "ipc"), connection_file=str(folder / "kernel.json"))
@@ -130,14 +130,17 @@ def _parent_pids() -> dict[int, int]:
     """{pid: parent pid} of every process: Linux's /proc/PID/stat, else `ps` (macOS)."""
     if not Path("/proc/self/stat").exists():
         try:
-            out = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+            ps = subprocess.Popen(["ps", "-A", "-o", "pid=,ppid="], stdout=subprocess.PIPE, text=True)
+            out, _ = ps.communicate()
         except OSError:
             return {}
-        return {int(pid): int(ppid) for pid, ppid in (line.split() for line in out.splitlines())}
+        parents = {int(pid): int(ppid) for pid, ppid in (line.split() for line in out.splitlines())}
+        parents.pop(ps.pid, None)  # ps itself: a child of this process, gone already
+        return parents
     parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:  # "pid (command) state ppid ...": the command may hold spaces and parentheses
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        try:  # b"pid (command) state ppid ...": the command may hold spaces, parentheses and any bytes
+            parents[int(stat.parent.name)] = int(stat.read_bytes().rsplit(b")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             pass  # it ended meanwhile
     return parents

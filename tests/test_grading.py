@@ -393,3 +393,19 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "is not a folder of student folders" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["grade", str(tmp_path), "--out", "g.csv", "--timeout", "0"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux's /proc")
+def test_kill_tree_finds_a_process_whose_name_is_not_utf8() -> None:
+    """/proc/PID/stat holds the command name as raw bytes: one that is not UTF-8 must not hide the process."""
+    from fsdp_course.timed_execute import _parent_pids
+
+    code = "import ctypes, time; ctypes.CDLL(None).prctl(15, b'x\\xff\\xfe', 0, 0, 0); print(1, flush=True); " \
+           "time.sleep(60)"  # PR_SET_NAME
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()  # the name is set
+        assert _parent_pids().get(child.pid) == os.getpid()
+    finally:
+        child.kill()
+        child.wait()
