@@ -40,7 +40,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	@# build matplotlib's font cache first: its one-time warning would otherwise land in a notebook cell
 	$(BIN)/python -c "import matplotlib.font_manager"
-	$(BIN)/python -m pytest -n 2 --dist loadfile $(NBVAL) tests lessons solutions
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15 $(NBVAL) tests lessons solutions
 	$(MAKE) --no-print-directory test-portable
 
 test-portable: $(STAMP)
