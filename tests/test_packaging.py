@@ -57,7 +57,7 @@ def test_gitignore_keeps_environments_and_scratch_out() -> None:
 
 def test_the_repository_stands_alone() -> None:
     """Code, tests and notebooks cite what a reader of this repository has (docs/), not outside notes or issues."""
-    outside = re.compile(r"shared/DESIGN|\.\./shared|\bissue \d+|\bissue #\d+", re.I)
+    outside = re.compile(r"shared[/]DESIGN|\.\./shared|\bissue \d+|\bissue #\d+", re.I)
     files = [*ROOT.glob("fsdp_course/**/*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("benchmarks/*.py"),
              *ROOT.glob("lessons/*.ipynb"), *ROOT.glob("solutions/*.ipynb"), ROOT / "README.md"]
     found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in files
