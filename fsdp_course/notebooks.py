@@ -1,4 +1,7 @@
-"""Run course notebooks top to bottom in a fresh kernel and save them with their outputs (for authors).
+"""Notebooks whose saved outputs are claims: `below` for lessons, and `run` to save a notebook (for authors).
+
+    from fsdp_course.notebooks import below
+    print(f"loss difference from one process: {below(diff)}")   # "< 1e-05" on every machine
 
     python -m fsdp_course.notebooks run lessons/06_fsdp.ipynb solutions/06_fsdp.ipynb
     make notebooks                      # every lesson and solution
@@ -22,19 +25,27 @@ import sys
 import time
 from pathlib import Path
 
-import nbformat
-from jupyter_client.manager import KernelManager
-from nbclient import NotebookClient
-
-from fsdp_course.ports import kernel_transport
-
-__all__ = ["main", "run_notebook"]
+__all__ = ["below", "main", "run_notebook"]
 
 _VOLATILE_CELL_METADATA = ("execution", "collapsed", "scrolled")
 
 
+def below(err: float, bound: float = 1e-5) -> str:
+    """A difference printed against a bound: `"< 1e-05"` when `err < bound`, else its value (`"1.6e-02"`).
+
+    Rounding noise (a sum in another order) differs from CPU to CPU in its digits, not in being below the bound,
+    so this text is the same on every machine; the cell asserts the bound itself."""
+    return f"< {bound:.0e}" if err < bound else f"{err:.1e}"
+
+
 def run_notebook(path: Path, *, timeout: float = 240.0) -> float:
     """Execute `path` in a fresh kernel and write it back with its outputs; returns the seconds it took."""
+    import nbformat  # authors' tools: a lesson that imports `below` does not load them
+    from jupyter_client.manager import KernelManager
+    from nbclient import NotebookClient
+
+    from fsdp_course.ports import kernel_transport
+
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     km = KernelManager(kernel_name="python3", **kernel_transport())

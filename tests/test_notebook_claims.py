@@ -66,3 +66,17 @@ def test_no_cell_is_ignored_by_a_comment_marker() -> None:
                 first = cell.source.lstrip().splitlines()[:1]
                 assert not (first and first[0].startswith("# NBVAL_")), f"{path.name} cell {index}: use the tag"
                 assert "nbval-skip" not in cell.metadata.get("tags", []), f"{path.name} cell {index} is skipped"
+
+
+def test_below_prints_a_difference_against_its_bound() -> None:
+    from fsdp_course.notebooks import below
+
+    assert below(3.4e-7) == below(9.9e-6) == "< 1e-05"  # the digits of rounding noise never reach the output
+    assert below(2e-7, bound=1e-6) == "< 1e-06"
+    assert below(1e-5) == "1.0e-05" and below(0.016) == "1.6e-02"  # at or above the bound: the value itself
+
+
+def test_lessons_import_below_instead_of_defining_their_own() -> None:
+    for path in NOTEBOOKS:
+        for index, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            assert "def below(" not in cell.source and "def rounded(" not in cell.source, f"{path.name} {index}"
