@@ -98,21 +98,24 @@ def test_max_norm_clipping_sees_a_nan_on_any_rank() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_a_half_precision_mean_is_one_process_mean_and_does_not_overflow(dtype: torch.dtype) -> None:
-    # float16: fits, but two of them summed do not; bfloat16 has float32's range: rounded once, as one process
-    big = torch.finfo(dtype).max / 2 * 1.5 if dtype == torch.float16 else 1001.0
+    # float16: each `big` fits, their sum does not. bfloat16 (float32's range, 8 bits of mantissa): 1 + 0.01 + 0.01
+    # summed in bfloat16 and divided by 3 gives 0.3379, one process's mean rounded once gives 0.3398.
+    big = torch.finfo(dtype).max / 2 if dtype == torch.float16 else 1001.0
+    per_rank = [torch.tensor([big, 1.0, -3.0], dtype=dtype)] + [torch.tensor([big, 0.01, -3.0], dtype=dtype)] * 2
 
     def fn(ctx):
-        t = torch.tensor([big, 1.0, -3.0], dtype=dtype)
-        chunks = torch.full((4,), big, dtype=dtype)
-        return ctx.all_reduce(t, op="mean"), ctx.reduce_scatter(chunks, op="mean"), ctx.ledger
+        chunks = per_rank[ctx.rank].repeat(2)  # (6,): three chunks of two
+        return ctx.all_reduce(per_rank[ctx.rank].clone(), op="mean"), ctx.reduce_scatter(chunks, op="mean"), \
+            ctx.ledger
 
-    for mean, scattered, ledger in run_ranks(fn, 2):
-        expected = torch.stack([torch.tensor([big, 1.0, -3.0], dtype=dtype)] * 2).float().mean(0).to(dtype)
-        assert torch.isfinite(mean).all() and torch.equal(mean, expected)
+    one_process = torch.stack(per_rank).float().mean(0).to(dtype)  # summed wide, rounded once
+    scattered_one = torch.stack([p.repeat(2) for p in per_rank]).float().mean(0).to(dtype)
+    for rank, (mean, scattered, ledger) in enumerate(run_ranks(fn, 3)):
         assert mean.dtype == dtype and scattered.dtype == dtype
-        assert torch.equal(scattered, torch.full((2,), big, dtype=dtype).float().to(dtype))
+        assert torch.isfinite(mean).all() and torch.equal(mean, one_process), (mean, one_process)
+        assert torch.equal(scattered, scattered_one[2 * rank:2 * rank + 2])
         assert ledger.select("all_reduce")[0].payload_bytes == 3 * 2  # the logical payload, in the tensor's dtype
-        assert ledger.select("reduce_scatter")[0].payload_bytes == 4 * 2
+        assert ledger.select("reduce_scatter")[0].payload_bytes == 6 * 2
 
 
 def test_sums_propagate_inf_and_nan_like_one_process() -> None:
