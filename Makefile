@@ -31,7 +31,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 lab: $(STAMP)
-	$(BIN)/python -m fsdp_course.lab
+	$(BIN)/python -m fsdp_course.classroom.lab
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -48,10 +48,10 @@ test-portable: $(STAMP)
 
 # Authors: re-run every lesson and solution in a fresh kernel and save it with its outputs.
 notebooks: $(STAMP)
-	$(BIN)/python -m fsdp_course.notebooks run lessons/*.ipynb solutions/*.ipynb
+	$(BIN)/python -m fsdp_course.classroom.notebooks run lessons/*.ipynb solutions/*.ipynb
 
 exercises: $(STAMP)
-	$(BIN)/python -m fsdp_course.exercises generate
+	$(BIN)/python -m fsdp_course.classroom.exercises generate
 
 clean-venv:
 	rm -rf $(VENV)

@@ -9,14 +9,14 @@ intra-op threads only fight each other (a one-process reference run went from 0.
 nbval starts each notebook's kernel on five TCP ports that jupyter_client picks by binding port 0 and
 letting go; the Gloo groups of the other worker's notebook take ephemeral ports all the time, and once
 took one of them first (CI: "zmq.error.ZMQError: Address already in use", "Kernel died before replying
-to kernel_info"). Kernels started here use `ipc` sockets instead (fsdp_course.ports.kernel_transport).
+to kernel_info"). Kernels started here use `ipc` sockets instead (fsdp_course.runtime.ports.kernel_transport).
 """
 
 import nbval.kernel
 import torch
 from jupyter_client.manager import KernelManager
 
-from fsdp_course.ports import kernel_transport, remove_kernel_dir
+from fsdp_course.runtime.ports import kernel_transport, remove_kernel_dir
 
 torch.set_num_threads(1)
 

@@ -24,16 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_course.context import RankContext
 from fsdp_course.data import digits_tokens
-from fsdp_course.ddp import DDP
+from fsdp_course.engines.ddp import DDP
+from fsdp_course.engines.zero import ZeRO1, ZeRO2
 from fsdp_course.memory import attach, measure_tensors, optimizer_tensors, record_event, total_bytes, zero_formula
 from fsdp_course.models import TransformerClassifier, TransformerConfig
-from fsdp_course.simulate import run_ranks
-from fsdp_course.zero import ZeRO1, ZeRO2
+from fsdp_course.runtime.context import RankContext
+from fsdp_course.runtime.simulate import run_ranks
 
 try:
-    from fsdp_course.fsdp import FSDP
+    from fsdp_course.fsdp.api import FSDP
 except ImportError:  # FSDP not there yet: benchmark the others
     FSDP = None
 
@@ -142,7 +142,7 @@ def main() -> None:
             print(f"{name:<8} {n:>2} {seconds * 1e3:>9.1f} {seconds / base_time:>7.2f} {peak:>12,} "
                   f"{peak / base_mem:>6.2f} {formula / base_mem:>9.2f}", flush=True)
     if FSDP is None:
-        print("FSDP: fsdp_course.fsdp is not available yet; rerun when it is.")
+        print("FSDP: fsdp_course.fsdp.api is not available yet; rerun when it is.")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fsdp_course.ports import free_port
+from fsdp_course.runtime.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out"

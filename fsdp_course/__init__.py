@@ -4,19 +4,19 @@ Ranks run as threads inside one notebook (`run_ranks`), each with a real Gloo pr
 same code runs unchanged in real processes under `torchrun` (`RankContext.from_env`). The engines
 (`DDP`, `ZeRO1`, `ZeRO2`, `FSDP`) are the references the lessons build and the exercises are checked
 against. See README.md, and arXiv:2304.11277 (PyTorch FSDP) and arXiv:1910.02054 (ZeRO).
-Figures live in `fsdp_course.viz`; ipywidgets controls in `fsdp_course.widgets` (kept apart so the
+Figures live in `fsdp_course.viz`; ipywidgets controls in `fsdp_course.viz.widgets` (kept apart so the
 core imports without Jupyter).
 """
 
-from fsdp_course.context import RankContext
-from fsdp_course.ddp import DDP
-from fsdp_course.flat_param import FlatParamLayout, shard_parameters
-from fsdp_course.fsdp import FSDP, ShardedState, TrainingState
-from fsdp_course.ledger import Ledger, Record
+from fsdp_course.engines.ddp import DDP
+from fsdp_course.engines.zero import ZeRO1, ZeRO2
+from fsdp_course.fsdp.api import FSDP, ShardedState, TrainingState
+from fsdp_course.fsdp.flat_param import FlatParamLayout, shard_parameters
 from fsdp_course.memory import measure, zero_formula
-from fsdp_course.monitor import CollectiveHang, CollectiveMismatch, PeerFailed
-from fsdp_course.simulate import RankError, run_ranks
-from fsdp_course.zero import ZeRO1, ZeRO2
+from fsdp_course.runtime.context import RankContext
+from fsdp_course.runtime.ledger import Ledger, Record
+from fsdp_course.runtime.monitor import CollectiveHang, CollectiveMismatch, PeerFailed
+from fsdp_course.runtime.simulate import RankError, run_ranks
 
 __all__ = [
     "DDP",

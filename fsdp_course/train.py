@@ -13,11 +13,11 @@ sampler fixes the global batch of each step (`sampler.global_batch`: the epoch's
 order, cut into batches of `--batch-size`), each rank trains on its contiguous slice of it
 (`sampler.rank_slice`). Gradients are averaged over ranks, so every engine and every world size
 computes the step one process would on the global batch.
-  --engine ours   fsdp_course.fsdp.FSDP, one unit per TransformerEncoderLayer plus the root, the root
+  --engine ours   fsdp_course.fsdp.api.FSDP, one unit per TransformerEncoderLayer plus the root, the root
                   kept gathered from forward to backward as fully_shard keeps its root
   --engine torch  torch.distributed.fsdp.fully_shard with the same units (torch_fsdp.py), following
                   https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
-  --engine ddp    fsdp_course.ddp.DDP, the whole model on every rank
+  --engine ddp    fsdp_course.engines.ddp.DDP, the whole model on every rank
 FSDP itself: the PyTorch FSDP paper, arXiv:2304.11277; ZeRO-3, arXiv:1910.02054.
 
 Reported per rank: peak RSS (the OS: resource.getrusage) and peak live tensor bytes (PyTorch's
@@ -49,10 +49,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_course.context import RankContext
 from fsdp_course.data import train_test_split_digits
-from fsdp_course.meta_init import init_weights, materialize
+from fsdp_course.fsdp.meta_init import init_weights, materialize
 from fsdp_course.models import TransformerClassifier, TransformerConfig, count_parameters
+from fsdp_course.runtime.context import RankContext
 from fsdp_course.sampler import global_batch, rank_slice
 
 __all__ = ["main", "parse_args"]
@@ -155,13 +155,13 @@ def build_engine(args: argparse.Namespace, ctx: RankContext, config: Transformer
     else:
         model = init_weights(TransformerClassifier(config), args.seed).to(ctx.device)  # drawn on the CPU
     if args.engine == "torch":
-        from fsdp_course.torch_fsdp import count_collectives, full_state_dict, shard_with_fully_shard
+        from fsdp_course.engines.torch_fsdp import count_collectives, full_state_dict, shard_with_fully_shard
 
         shard_with_fully_shard(model, ctx, seed=args.seed)
         return Engine(model, list(model.parameters()), lambda: full_state_dict(model), [model],
                       lambda: count_collectives(ctx))
     if args.engine == "ours":
-        from fsdp_course.fsdp import FSDP
+        from fsdp_course.fsdp.api import FSDP
 
         # on the meta device, each rank fills its shards one piece at a time (fsdp.py, meta_init.py)
         init = (lambda m: materialize(m, args.seed)) if args.meta_init else None
@@ -170,7 +170,7 @@ def build_engine(args: argparse.Namespace, ctx: RankContext, config: Transformer
                            reshard_root_after_forward=False)
         state = engine.full_state_dict
     else:
-        from fsdp_course.ddp import DDP
+        from fsdp_course.engines.ddp import DDP
 
         if args.meta_init:  # DDP keeps the whole model anyway: materialize it all
             model = model.to_empty(device=ctx.device)

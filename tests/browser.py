@@ -1,6 +1,6 @@
 """Drive the course's own JupyterLab in headless Chromium, as a student would (used by test_browser.py).
 
-The server is the one `make lab` starts (fsdp_course.lab.lab_command), on 127.0.0.1 with a token and
+The server is the one `make lab` starts (fsdp_course.classroom.lab.lab_command), on 127.0.0.1 with a token and
 a free port, over a temporary copy of the notebooks. Chromium is Debian's (/usr/bin/chromium),
 driven by the `playwright` package; no browser is ever downloaded.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import nbformat
 
-from fsdp_course.lab import free_port, install_settings, lab_command
+from fsdp_course.classroom.lab import free_port, install_settings, lab_command
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",

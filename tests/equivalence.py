@@ -38,13 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fsdp_course.context import RankContext
 from fsdp_course.data import digits_tokens, digits_vectors
-from fsdp_course.flat_param import FlatParamLayout
-from fsdp_course.ledger import Ledger
+from fsdp_course.fsdp.flat_param import FlatParamLayout
 from fsdp_course.memory import measure
 from fsdp_course.models import MLP, TransformerClassifier, TransformerConfig
-from fsdp_course.simulate import run_ranks
+from fsdp_course.runtime.context import RankContext
+from fsdp_course.runtime.ledger import Ledger
+from fsdp_course.runtime.simulate import run_ranks
 
 Pieces = dict[str, list[tuple[int, int, Tensor]]]  # name -> [(start, end, values of flat[start:end])]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]

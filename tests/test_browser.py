@@ -15,7 +15,7 @@ import nbformat
 import pytest
 from browser import CourseLab, chromium_missing_reason
 
-from fsdp_course.widgets import BROWSER_SELECTORS
+from fsdp_course.viz.widgets import BROWSER_SELECTORS
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / ".browser-screenshots"
@@ -73,7 +73,7 @@ def lab(tmp_path_factory):
 
 def widget_notebook(workdir: Path, broken: bool) -> Path:
     """A calculator alone; `broken` cuts its slider off from its readout, which the check must catch."""
-    lines = ["from fsdp_course.widgets import zero_calculator", "calc = zero_calculator()"]
+    lines = ["from fsdp_course.viz.widgets import zero_calculator", "calc = zero_calculator()"]
     if broken:
         lines.append('calc.world_slider.unobserve(calc._refresh, names="value")  # planted bug')
     nb = nbformat.v4.new_notebook()

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_course.fsdp import FSDP
-from fsdp_course.simulate import run_ranks
+from fsdp_course.fsdp.api import FSDP
+from fsdp_course.runtime.simulate import run_ranks
 
 WRAP = {nn.Linear}
 
@@ -123,7 +123,7 @@ def test_bad_metadata_json_names_the_file(tmp_path):
 
 def test_a_full_state_dict_with_a_wrong_buffer_shape_changes_nothing() -> None:
     """load_full_state_dict checks every shape first: a (1,) buffer is not broadcast into a (3,) one."""
-    from fsdp_course.fsdp_state_dict import full_state_dict, load_full_state_dict
+    from fsdp_course.fsdp.state_dict import full_state_dict, load_full_state_dict
 
     torch.manual_seed(0)
     base = Net()

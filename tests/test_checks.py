@@ -10,7 +10,7 @@ import torch
 from reference_solutions import fails, load
 
 from fsdp_course import RankContext
-from fsdp_course.checks import check_all_reduce, check_ring_all_reduce, compare_tensor, format_tensor
+from fsdp_course.classroom.checks import check_all_reduce, check_ring_all_reduce, compare_tensor, format_tensor
 
 PASSED = "All tests in check_all_reduce passed (world sizes 1, 2, 3, 4)"
 
@@ -219,7 +219,7 @@ def test_ring_stub_and_a_send_that_is_never_received(capsys: pytest.CaptureFixtu
             ctx.group.recv([torch.empty(1)], 0, 99).wait()
         return tensor
 
-    from fsdp_course.checks import _common
+    from fsdp_course.classroom.checks import _common
 
     monkeypatch.setattr(_common, "CHECK_TIMEOUT", 2.0)  # read by run_checked at each call
     with pytest.raises(AssertionError):

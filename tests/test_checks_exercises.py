@@ -17,7 +17,7 @@ from reference_solutions import fails, load, passes
 from torch import nn
 
 from fsdp_course import RankContext
-from fsdp_course.checks import (
+from fsdp_course.classroom.checks import (
     check_broadcast_parameters,
     check_clip_grad_norm,
     check_ddp,

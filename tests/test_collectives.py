@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fsdp_course import run_ranks
-from fsdp_course.collectives import ONE_TENSOR_REDUCE_SCATTER_BELOW
+from fsdp_course.runtime.collectives import ONE_TENSOR_REDUCE_SCATTER_BELOW
 
 
 def rank_tensor(rank: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

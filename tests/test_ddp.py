@@ -1,4 +1,4 @@
-"""Tests for fsdp_course.ddp: equal to one process, rank 0's initial state, 2Ψ(N−1)/N traffic, 16Ψ memory, no_sync."""
+"""Tests for fsdp_course.engines.ddp: equal to one process, rank 0's state, 2Ψ(N−1)/N traffic, 16Ψ memory, no_sync."""
 
 import copy
 
@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from equivalence import ModuleTrainee, check_equivalence, digits_batches, standard_cases, standard_references
 from torch import nn
 
-from fsdp_course.ddp import DDP
+from fsdp_course.engines.ddp import DDP
 from fsdp_course.memory import total_bytes, zero_formula
 from fsdp_course.models import MLP
-from fsdp_course.simulate import run_ranks
+from fsdp_course.runtime.simulate import run_ranks
 
 
 def make_ddp(model, ctx, optimizer_factory):

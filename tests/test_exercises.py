@@ -17,8 +17,8 @@ from jupyter_client import KernelManager
 from nbclient import NotebookClient
 from nbval.kernel import CURRENT_ENV_KERNEL_NAME, NbvalKernelspecManager
 
-from fsdp_course import exercises
-from fsdp_course.ports import kernel_transport
+from fsdp_course.classroom import exercises
+from fsdp_course.runtime.ports import kernel_transport
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -116,7 +116,7 @@ def test_checker_cells_import_their_own_checker(solution: Path) -> None:
     nb = nbformat.read(solution, as_version=4)
     for cell in nb.cells:
         if _nbgrader(cell).get("grade"):
-            assert cell.source.startswith("from fsdp_course.checks import "), cell.id
+            assert cell.source.startswith("from fsdp_course.classroom.checks import "), cell.id
 
 
 def _execute(path: Path) -> nbformat.NotebookNode:

@@ -1,9 +1,9 @@
-"""Tests for fsdp_course.flat_param: padding, shard ranges, tied weights, round trips."""
+"""Tests for fsdp_course.fsdp.flat_param: padding, shard ranges, tied weights, round trips."""
 
 import pytest
 import torch
 
-from fsdp_course.flat_param import (
+from fsdp_course.fsdp.flat_param import (
     FlatParamLayout,
     flatten_params,
     padded_numel,

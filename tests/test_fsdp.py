@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_course.checks._training import local_slice
+from fsdp_course.classroom.checks._training import local_slice
 from fsdp_course.data import digits_tokens, digits_vectors
-from fsdp_course.fsdp import FSDP, ShardedState, TrainingState
+from fsdp_course.fsdp.api import FSDP, ShardedState, TrainingState
 from fsdp_course.memory import attach, total_bytes
 from fsdp_course.models import MLP, TransformerClassifier, TransformerConfig
-from fsdp_course.simulate import RankError, run_ranks
+from fsdp_course.runtime.simulate import RankError, run_ranks
 
 STEPS, BATCH = 5, 24  # 24 divides by 1, 2, 3 and 4
 TOL = 1e-5
@@ -328,7 +328,7 @@ def test_gathered_storage_is_freed_and_placeholders_explain():
             fsdp(x)
             fsdp.train()
         F.cross_entropy(fsdp(x), y).backward()
-        freed = [h.full.untyped_storage().nbytes() for u in fsdp.units for h in u.handles]
+        freed = [h.unsharded.untyped_storage().nbytes() for u in fsdp.units for h in u.handles]
         states = {(u.sharded_state, u.training_state) for u in fsdp.units}
         with pytest.raises(RuntimeError, match="'layers.1.weight' is sharded by FSDP"):
             layer.weight + 1

@@ -25,7 +25,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from fsdp_course import cli, grading
+from fsdp_course.classroom import cli, grading
 
 ROOT = Path(__file__).resolve().parents[1]
 EX01 = "01_collectives"
@@ -283,7 +283,7 @@ def test_no_process_outlives_its_notebook(graded: dict) -> None:
 
 
 def test_kill_tree_finds_processes_in_other_sessions() -> None:
-    from fsdp_course.timed_execute import kill_tree
+    from fsdp_course.classroom.timed_execute import kill_tree
 
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, time\n"
                                "p = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
@@ -353,7 +353,7 @@ def test_ctrl_c_and_sigterm_stop_promptly_and_write_what_was_graded(tmp_path: Pa
         hanging.cells.insert(1, _code(_sleeper(folder / "sleeper.pid") + "\nimport time\ntime.sleep(3600)"))
         submissions, solutions = _one_student(folder, hanging)
         tmp = Path(tempfile.mkdtemp(prefix="fg"))  # the run's own TMPDIR, short (Unix socket paths), to check
-        proc = subprocess.Popen([sys.executable, "-m", "fsdp_course.cli", "grade", str(submissions), "--out",
+        proc = subprocess.Popen([sys.executable, "-m", "fsdp_course.classroom.cli", "grade", str(submissions), "--out",
                                  str(folder / "g.csv"), "--solutions", str(solutions), "--timeout", "600"],
                                 cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
@@ -398,7 +398,7 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux's /proc")
 def test_kill_tree_finds_a_process_whose_name_is_not_utf8() -> None:
     """/proc/PID/stat holds the command name as raw bytes: one that is not UTF-8 must not hide the process."""
-    from fsdp_course.timed_execute import _parent_pids
+    from fsdp_course.classroom.timed_execute import _parent_pids
 
     code = "import ctypes, time; ctypes.CDLL(None).prctl(15, b'x\\xff\\xfe', 0, 0, 0); print(1, flush=True); " \
            "time.sleep(60)"  # PR_SET_NAME

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fsdp_course import run_ranks
-from fsdp_course.ledger import ring_bytes
+from fsdp_course.runtime.ledger import ring_bytes
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_course.data import digits_tokens
-from fsdp_course.fsdp import FSDP
-from fsdp_course.meta_init import init_weights, materialize, pieces
+from fsdp_course.fsdp.api import FSDP
+from fsdp_course.fsdp.meta_init import init_weights, materialize, pieces
 from fsdp_course.models import MLP, TransformerClassifier, TransformerConfig
-from fsdp_course.simulate import RankError, run_ranks
+from fsdp_course.runtime.simulate import RankError, run_ranks
 
 
 def meta(config: TransformerConfig) -> TransformerClassifier:

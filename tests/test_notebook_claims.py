@@ -69,7 +69,7 @@ def test_no_cell_is_ignored_by_a_comment_marker() -> None:
 
 
 def test_below_prints_a_difference_against_its_bound() -> None:
-    from fsdp_course.notebooks import below
+    from fsdp_course.classroom.notebooks import below
 
     assert below(3.4e-7) == below(9.9e-6) == "< 1e-05"  # the digits of rounding noise never reach the output
     assert below(2e-7, bound=1e-6) == "< 1e-06"

@@ -1,4 +1,4 @@
-"""Ports and kernel sockets (fsdp_course.ports): outside the ephemeral range, and kernels that take no TCP port."""
+"""Ports and kernel sockets (fsdp_course.runtime.ports): outside the ephemeral range, no TCP port for kernels."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 import pytest
 from nbval.kernel import CURRENT_ENV_KERNEL_NAME, start_new_kernel
 
-from fsdp_course.ports import _ephemeral_start, free_port, kernel_transport
+from fsdp_course.runtime.ports import _ephemeral_start, free_port, kernel_transport
 
 
 def test_free_port_is_bindable_and_below_the_ephemeral_range() -> None:

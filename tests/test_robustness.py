@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fsdp_course import RankError, run_ranks
-from fsdp_course.monitor import CollectiveHang
-from fsdp_course.simulate import _grace
+from fsdp_course.runtime.monitor import CollectiveHang
+from fsdp_course.runtime.simulate import _grace
 
 
 def test_a_rank_stuck_outside_torch_cannot_hang_run_ranks() -> None:
@@ -199,7 +199,7 @@ def test_a_send_to_a_rank_that_ended_is_not_called_a_deadlock() -> None:
 def test_a_checkpoint_a_rank_cannot_write_fails_on_every_rank(tmp_path) -> None:
     from torch import nn
 
-    from fsdp_course.fsdp import FSDP
+    from fsdp_course.fsdp.api import FSDP
 
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))

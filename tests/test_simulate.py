@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdp_course import CollectiveHang, CollectiveMismatch, RankError, run_ranks
-from fsdp_course.simulate import MAX_WORLD_SIZE
+from fsdp_course.runtime.simulate import MAX_WORLD_SIZE
 
 
 def leftovers() -> tuple[list[str], list[str]]:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from fsdp_course import run_ranks
-from fsdp_course.ports import free_port
+from fsdp_course.runtime.ports import free_port
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

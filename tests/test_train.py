@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_course.ports import free_port
+from fsdp_course.runtime.ports import free_port
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -12,8 +12,8 @@ import torch  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 
 from fsdp_course import viz  # noqa: E402
-from fsdp_course.flat_param import FlatParamLayout  # noqa: E402
-from fsdp_course.ledger import Ledger  # noqa: E402
+from fsdp_course.fsdp.flat_param import FlatParamLayout  # noqa: E402
+from fsdp_course.runtime.ledger import Ledger  # noqa: E402
 
 
 def patches(fig, prefix):
@@ -46,7 +46,10 @@ def test_figures_show_as_png_without_pyplot():
 
 
 def test_viz_imports_no_jupyter_or_pyplot():
+    """The figures import without Jupyter; only widgets.py (never imported by viz/__init__) needs ipywidgets."""
     for path in Path(viz.__file__).parent.glob("*.py"):
+        if path.name == "widgets.py":
+            continue
         tree = ast.parse(path.read_text())
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}

@@ -1,4 +1,4 @@
-"""Tests for fsdp_course.widgets: the ZeRO calculator's readout and figure follow its controls."""
+"""Tests for fsdp_course.viz.widgets: the ZeRO calculator's readout and figure follow its controls."""
 
 import base64
 
@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 pytest.importorskip("ipywidgets")
 
 from fsdp_course import viz  # noqa: E402
-from fsdp_course.widgets import BROWSER_SELECTORS, CSS_CLASSES, ZeroCalculator, format_count, zero_calculator  # noqa: E402
+from fsdp_course.viz.widgets import BROWSER_SELECTORS, CSS_CLASSES, ZeroCalculator, format_count, zero_calculator  # noqa: E402
 
 MEASURED = {"DDP": {"params": 4000, "grads": 4000, "optimizer": 8000},
             "FSDP": {"sharded_params": 1000, "sharded_grads": 1000, "optimizer": 2000}}

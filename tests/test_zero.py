@@ -1,4 +1,4 @@
-"""Tests for fsdp_course.zero: ZeRO-1 and ZeRO-2 equal one process, move 2Ψ(N−1)/N, hold ZeRO's memory."""
+"""Tests for fsdp_course.engines.zero: ZeRO-1 and ZeRO-2 equal one process, move 2Ψ(N−1)/N, hold ZeRO's memory."""
 
 import copy
 
@@ -7,11 +7,11 @@ import torch
 from equivalence import ShardedTrainee, check_equivalence, standard_cases, standard_references
 from torch import nn
 
-from fsdp_course.flat_param import padded_numel
+from fsdp_course.engines.zero import ZeRO1, ZeRO2, bucket_parameters
+from fsdp_course.fsdp.flat_param import padded_numel
 from fsdp_course.memory import attach, total_bytes, zero_formula
 from fsdp_course.models import TransformerClassifier, TransformerConfig
-from fsdp_course.simulate import run_ranks
-from fsdp_course.zero import ZeRO1, ZeRO2, bucket_parameters
+from fsdp_course.runtime.simulate import run_ranks
 
 BUCKET = 1000  # elements: several ZeRO-2 buckets even for the test models
 

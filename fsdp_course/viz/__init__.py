@@ -12,7 +12,7 @@ Rank r always has the colour `rank_color(r)`; byte axes are in B / KiB / MiB / G
                         (traffic.py; ZeRO arXiv:1910.02054 section 7)
   plot_zero_bars        DDP 16Ψ, ZeRO-1 8Ψ+8Ψ/N, ZeRO-2 4Ψ+12Ψ/N, ZeRO-3 16Ψ/N (fp32 Adam), measured
                         bars beside them   (zero_bars.py; ZeRO arXiv:1910.02054 section 5.1)
-The interactive calculator lives in `fsdp_course.widgets` (it needs ipywidgets).
+The interactive calculator lives in `fsdp_course.viz.widgets` (it needs ipywidgets).
 """
 
 from fsdp_course.viz.sharding import plot_sharding

@@ -13,7 +13,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from fsdp_course.flat_param import padded_numel
+from fsdp_course.fsdp.flat_param import padded_numel
 from fsdp_course.viz.style import format_bytes, new_figure, rank_color
 
 

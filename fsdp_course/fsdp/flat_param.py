@@ -7,10 +7,10 @@ concatenated into one 1-D tensor, padded at the end so that it divides evenly by
 and rank r keeps the r-th equal chunk.  ZeRO (arXiv:1910.02054) partitions its fp32 state the same
 way; the DDP / ZeRO-1 / ZeRO-2 engines use this module too.
 
-Glossary (the words FSDP2 uses in torch/distributed/fsdp/_fully_shard/):
-  flat parameter    the 1-D buffer of all of a unit's parameters, padded   (padded_numel,)
-  shard             rank r's chunk of it                                   (padded_numel // N,)
-  unflattened views views of a gathered flat buffer with the original shapes
+Three pieces: `FlatParamLayout` (where each parameter lives: flatten, pad, shard, unflatten), `FlatParamHandle`
+(one FSDP unit's flat parameter: the local shard and the unsharded buffer it allocates, frees and cuts into views;
+it issues no collective, the unit does) and `FlatGrads` (DDP's and ZeRO-1's flat gradient buffer, `p.grad` its
+views). The words are in the glossary of fsdp_course/fsdp/__init__.py.
 
 Why pad: the article computes `shardSize = ceil(total / worldSize)` and lets the last rank keep a
 shorter slice, but its AllGather / ReduceScatter need equal chunks (Gloo does too), so any model
@@ -24,6 +24,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
+from fsdp_course.fsdp.common import sharded_away
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -199,3 +202,80 @@ def shard_parameters(
     layout, flat = flatten_params(named_params, world_size)
     local = layout.shard(flat, rank).clone()  # (padded_numel // world_size,) local shard
     return layout, local
+
+
+class FlatParamHandle:
+    """One flat parameter of an FSDP unit: its layout, this rank's `shard` and the `unsharded` buffer.
+
+    It only allocates, frees and exposes views; the unit (param_group.py) issues the collectives that fill the
+    buffer and reduce its gradient. `unsharded` is a leaf that requires grad when the parameters do: the views'
+    gradients add up in `unsharded.grad`, the unit's whole flat gradient.
+    """
+
+    def __init__(self, layout: FlatParamLayout, shard: nn.Parameter,
+                 locations: list[list[tuple[nn.Module, str]]]) -> None:
+        self.layout = layout
+        self.shard = shard  # (padded_numel // world_size,) the local shard, an nn.Parameter the optimizer steps
+        self.requires_grad = shard.requires_grad
+        self.unsharded = torch.empty(layout.padded_numel, dtype=layout.dtype, device=shard.device)
+        self.unsharded.untyped_storage().resize_(0)  # (padded_numel,) no storage while sharded
+        self.unsharded.requires_grad_(self.requires_grad)
+        self.locations = locations  # per parameter: every (module, attribute) that names it (tied weights)
+        self.placeholders = [
+            sharded_away(info.shape, layout.dtype,
+                         f"'{info.name}' is sharded by FSDP: outside its unit's forward/backward only "
+                         "the local shard exists. Read full values with fsdp.full_state_dict() "
+                         "(on every rank) or inside forward.")
+            for info in layout.infos
+        ]
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.unsharded.untyped_storage().nbytes() > 0
+
+    def alloc(self) -> torch.Tensor:
+        """Give the unsharded buffer its storage back; returns what an all-gather should write into.
+
+        `.data`: writing there does not bump the version counter that autograd checks on the views it saved."""
+        self.unsharded.untyped_storage().resize_(self.unsharded.numel() * self.unsharded.element_size())
+        return self.unsharded.data
+
+    def free(self) -> None:
+        """Return the unsharded buffer's memory now (not at garbage collection); the module sees placeholders."""
+        self.unsharded.untyped_storage().resize_(0)
+        self.set_attributes(self.placeholders)
+
+    def use_unsharded_views(self) -> None:
+        """Point the module's attributes at fresh views of the unsharded buffer (their grad_fn leads to it)."""
+        self.set_attributes(self.layout.unflatten(self.unsharded))
+
+    def set_attributes(self, tensors: list[torch.Tensor]) -> None:
+        for places, t in zip(self.locations, tensors, strict=True):
+            for module, attr in places:
+                setattr(module, attr, t)
+
+
+class FlatGrads:
+    """The gradients of some parameters in one flat buffer, each `p.grad` a view of it (DDP's bucket with
+    `gradient_as_bucket_view=True`; ZeRO-1's full gradient). `collect()` puts the views back after an optimizer's
+    `zero_grad()` set `p.grad = None`, keeping what autograd accumulated meanwhile."""
+
+    def __init__(self, layout: FlatParamLayout, params: Sequence[nn.Parameter]) -> None:
+        self.layout = layout
+        self.params = list(params)
+        self.flat = torch.zeros(layout.padded_numel, dtype=layout.dtype,
+                                device=self.params[0].device)  # (padded_numel,)
+        self.views = layout.unflatten(self.flat)
+        self.collect()
+
+    def collect(self) -> None:
+        for p, view in zip(self.params, self.views, strict=True):
+            if p.grad is None:  # unused since it was last reset: its gradient is zero
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():  # autograd allocated a fresh tensor
+                view.copy_(p.grad)
+            p.grad = view
+
+    def zero_(self) -> None:
+        self.flat.zero_()
+        self.collect()

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_course.checks._common import (
+from fsdp_course.classroom.checks._common import (
     CHECK_TIMEOUT,
     CheckFailure,
     exception_hint,
@@ -42,9 +42,9 @@ from fsdp_course.checks._common import (
     require_world_sizes,
     run_checked,
 )
-from fsdp_course.context import RankContext
-from fsdp_course.ports import free_port
-from fsdp_course.simulate import RankError, run_ranks
+from fsdp_course.runtime.context import RankContext
+from fsdp_course.runtime.ports import free_port
+from fsdp_course.runtime.simulate import RankError, run_ranks
 
 __all__ = ["check_sharded_checkpoint", "compare_states", "rank_state", "trained_fsdp"]
 
@@ -65,7 +65,7 @@ def rank_state(fsdp: Any, optimizer: torch.optim.Optimizer) -> dict[str, torch.T
 
 def trained_fsdp(ctx: RankContext, steps: int = 2) -> tuple[Any, torch.optim.Optimizer]:
     """A tiny Transformer classifier under the course's FSDP (one unit per encoder layer), after `steps` AdamW steps."""
-    from fsdp_course.fsdp import FSDP
+    from fsdp_course.fsdp.api import FSDP
     from fsdp_course.models import TransformerClassifier, TransformerConfig
 
     model = _base_model(TransformerClassifier, TransformerConfig)
@@ -121,7 +121,7 @@ from pathlib import Path
 import torch
 
 from fsdp_course import RankContext
-from fsdp_course.checks.checkpoint import compare_states
+from fsdp_course.classroom.checks.checkpoint import compare_states
 
 {source}
 

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fsdp_course.context import CONNECT_TIMEOUT, RankContext, gloo_group
-from fsdp_course.monitor import CollectiveHang, PeerFailed, WorldMonitor
-from fsdp_course.output import capture_ranks
+from fsdp_course.runtime.context import CONNECT_TIMEOUT, RankContext, gloo_group
+from fsdp_course.runtime.monitor import CollectiveHang, PeerFailed, WorldMonitor
+from fsdp_course.runtime.output import capture_ranks
 
 __all__ = ["MAX_WORLD_SIZE", "RankError", "run_ranks"]
 

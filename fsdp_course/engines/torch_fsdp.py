@@ -29,8 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp_course.context import RankContext
-from fsdp_course.meta_init import materialize
+from fsdp_course.fsdp.meta_init import materialize
+from fsdp_course.runtime.context import RankContext
 
 __all__ = ["count_collectives", "full_state_dict", "shard_with_fully_shard"]
 
@@ -114,9 +114,8 @@ def count_collectives(ctx: RankContext) -> Iterator[None]:
         def call(*args: Any, **kwargs: Any) -> Any:
             result = fn(*args, **kwargs)
             t = _payload(op, args, kwargs)
-            ctx._seq += 1
-            ctx.ledger.add(op, ctx._seq, str(t.dtype).removeprefix("torch."), (tuple(t.shape),),
-                           t.numel() * t.element_size(), kwargs.get("src", 0))
+            sig = ctx.begin_collective(op, [t])
+            ctx.end_collective(sig, t.numel() * t.element_size(), kwargs.get("src", 0))
             return result
         return call
 

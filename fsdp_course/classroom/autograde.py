@@ -31,7 +31,7 @@ checker cell moved above the cells it checks is moved back below them; and cells
 before it, which may be gone too), the missing checkers go at the end.
 
 Usage (grading.py runs `grade_notebook` in one worker process per notebook, each a process of its own: it
-kills its own child processes; by hand: `python -m fsdp_course.autograde JOB.json`): the job names the
+kills its own child processes; by hand: `python -m fsdp_course.classroom.autograde JOB.json`): the job names the
 submission, its exercise, the gradebook file, the time limit and where to write the result (JSON).
 Everything that can go wrong is caught and reported in it: the notebook's problems as its status, the
 grader's own as status `grader-error`.
@@ -70,7 +70,7 @@ from nbgrader.preprocessors import (
     SaveCells,
 )
 
-from fsdp_course.timed_execute import NOT_RUN, TimedExecute, error_output, kernel_manager, kill_tree, shutdown
+from fsdp_course.classroom.timed_execute import NOT_RUN, TimedExecute, error_output, kernel_manager, kill_tree, shutdown
 
 ASSIGNMENT = "fsdp-course"
 
@@ -332,7 +332,7 @@ def _cell_text(cell: NotebookNode, max_lines: int = 40) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m fsdp_course.autograde JOB.json`: grade one notebook, write the result JSON, exit 0."""
+    """`python -m fsdp_course.classroom.autograde JOB.json`: grade one notebook, write the result JSON, exit 0."""
     args = sys.argv[1:] if argv is None else argv
     job = json.loads(Path(args[0]).read_text())
     with tempfile.TemporaryDirectory(prefix="fsdp_grade_", ignore_cleanup_errors=True) as sandbox, \

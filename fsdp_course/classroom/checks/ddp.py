@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_course.checks._common import (
+from fsdp_course.classroom.checks._common import (
     CheckFailure,
     exception_hint,
     format_tensor,
@@ -27,7 +27,7 @@ from fsdp_course.checks._common import (
     run_checked,
     scale_ratio,
 )
-from fsdp_course.checks._training import (
+from fsdp_course.classroom.checks._training import (
     close,
     global_batches,
     local_grads,
@@ -36,7 +36,7 @@ from fsdp_course.checks._training import (
     reference_run,
     seeded_mlp,
 )
-from fsdp_course.context import RankContext
+from fsdp_course.runtime.context import RankContext
 
 __all__ = ["check_broadcast_parameters", "check_ddp"]
 

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     if args.command == "grade":
-        from fsdp_course import grading  # nbgrader is imported only when grading
+        from fsdp_course.classroom import grading  # nbgrader is imported only when grading
 
         args.solutions = args.solutions or default_solutions()
         try:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         except grading.InputError as exc:
             print(f"fsdp-course grade: {exc}", file=sys.stderr)
             return 2
-    from fsdp_course import exercises
+    from fsdp_course.classroom import exercises
 
     return exercises.main([args.action])
 

@@ -21,9 +21,9 @@ from typing import Any, NoReturn
 
 import torch
 
-from fsdp_course.context import RankContext
-from fsdp_course.monitor import CollectiveHang, CollectiveMismatch
-from fsdp_course.simulate import RankError, run_ranks
+from fsdp_course.runtime.context import RankContext
+from fsdp_course.runtime.monitor import CollectiveHang, CollectiveMismatch
+from fsdp_course.runtime.simulate import RankError, run_ranks
 
 __all__ = ["CHECK_TIMEOUT", "CheckFailure", "call_learner", "compare_tensor", "exception_hint", "format_tensor",
            "learner_frames", "not_implemented", "require_callable", "require_world_sizes", "run_checked"]

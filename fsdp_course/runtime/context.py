@@ -20,9 +20,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from fsdp_course import collectives
-from fsdp_course.ledger import Ledger
-from fsdp_course.monitor import WorldMonitor
+from fsdp_course.runtime import collectives
+from fsdp_course.runtime.ledger import Ledger
+from fsdp_course.runtime.monitor import Signature, WorldMonitor
 
 __all__ = ["RankContext", "gloo_group"]
 
@@ -69,6 +69,28 @@ class RankContext:
     def __repr__(self) -> str:
         kind = "simulated thread" if self.simulated else "process"
         return f"RankContext(rank={self.rank}, world_size={self.world_size}, {kind}, device={self.device})"
+
+    # -- the bookkeeping around every collective -----------------------------------------------
+    @property
+    def monitor(self) -> WorldMonitor | None:
+        """The referee of a simulated world (None in a real process)."""
+        return self._monitor
+
+    def begin_collective(self, op: str, tensors: list[torch.Tensor], extra: str = "") -> Signature:
+        """Before a collective: take the next sequence number; a simulated world's referee compares the call
+        (operation, shapes, dtype, `extra` such as the reduce op) with the other ranks' and raises on a mismatch."""
+        self._seq += 1
+        dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "-"
+        sig = Signature(op, self._seq, tuple(tuple(t.shape) for t in tensors), dtype, extra)
+        if self._monitor is not None:
+            self._monitor.check(self.rank, sig)
+        return sig
+
+    def end_collective(self, sig: Signature, payload_bytes: int, src: int = 0) -> None:
+        """After a collective: record it in the ledger (its logical payload) and tell the referee it is done."""
+        self.ledger.add(sig.op, sig.seq, sig.dtype, sig.shapes, payload_bytes, src)
+        if self._monitor is not None:
+            self._monitor.collective_done(self.rank, sig)
 
     # -- collectives (see collectives.py) ------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

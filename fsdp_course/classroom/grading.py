@@ -145,7 +145,7 @@ def _worker(job: dict[str, Any], gradebook: str, send: Any) -> None:
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     os.chdir("/")
-    from fsdp_course import autograde
+    from fsdp_course.classroom import autograde
 
     send.send(autograde.grade_notebook(job, gradebook, reap=True))
 
@@ -158,7 +158,7 @@ def _unfinished(exercise: str, status: str, note: str) -> dict[str, Any]:
 def _workers() -> Any:
     """Worker processes forked from a server that has imported nbgrader and torch once (seconds per notebook)."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["fsdp_course.grading", "fsdp_course.autograde"])
+    context.set_forkserver_preload(["fsdp_course.classroom.grading", "fsdp_course.classroom.autograde"])
     return context
 
 
@@ -167,7 +167,7 @@ def _run_worker(job: dict[str, Any], gradebook: str, hard_limit: float,
     """One notebook in its own worker process, with two folders made for it alone (the kernel's sandbox, and a
     private one for the kernel's connection file), removed after it. Past the hard limit, or once `stop` is
     set, the worker is killed with every process below it."""
-    from fsdp_course.timed_execute import kill_tree
+    from fsdp_course.classroom.timed_execute import kill_tree
 
     def unfinished(status: str, note: str) -> dict[str, Any]:
         return _unfinished(job["exercise"], status, note)
@@ -226,7 +226,7 @@ def grade(submissions: Path, out: Path, *, solutions: Path, feedback: Path | Non
     found, ignored = discover(Path(submissions), exercises)
     _check_layout(Path(submissions), found, exercises)
 
-    from fsdp_course.autograde import build_gradebook, cell_order, gradebook_sql  # imports nbgrader: seconds
+    from fsdp_course.classroom.autograde import build_gradebook, cell_order, gradebook_sql  # imports nbgrader: seconds
 
     log(f"building the gradebook from {len(solution_paths)} solution notebooks in {solutions}/")
     with tempfile.TemporaryDirectory(prefix="fsdp_grade_") as tmp:  # gone before any student's code runs

@@ -15,18 +15,32 @@ Gloo needs equal-sized chunks for all_gather and reduce_scatter, so callers pad 
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from fsdp_course.monitor import CollectiveHang, Signature
-
-if TYPE_CHECKING:
-    from fsdp_course.context import RankContext
+from fsdp_course.runtime.monitor import CollectiveHang, Signature, WorldMonitor
 
 __all__ = ["P2PWork", "all_gather", "all_reduce", "barrier", "broadcast", "irecv", "isend", "recv", "reduce_scatter",
            "send"]
+
+class Rank(Protocol):
+    """What a collective needs from its rank (`context.RankContext` is the implementation; typed here so that this
+    module does not import the context that imports it)."""
+
+    rank: int
+    world_size: int
+    group: Any  # a torch.distributed ProcessGroup
+    device: torch.device
+
+    @property
+    def monitor(self) -> WorldMonitor | None: ...
+
+    def begin_collective(self, op: str, tensors: list[torch.Tensor], extra: str = "") -> Signature: ...
+
+    def end_collective(self, sig: Signature, payload_bytes: int, src: int = 0) -> None: ...
+
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -35,7 +49,7 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _check_tensor(ctx: RankContext, op: str, tensor: object, name: str = "tensor") -> torch.Tensor:
+def _check_tensor(ctx: Rank, op: str, tensor: object, name: str = "tensor") -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type != ctx.device.type:
@@ -57,38 +71,23 @@ def _check_op(op_name: str, op: str, tensor: torch.Tensor) -> None:
         raise TypeError(f"{op_name}: op='mean' needs a floating-point tensor, got {tensor.dtype}")
 
 
-def _begin(ctx: RankContext, op: str, tensors: list[torch.Tensor], extra: str = "") -> Signature:
-    ctx._seq += 1
-    sig = Signature(op, ctx._seq, tuple(tuple(t.shape) for t in tensors),
-                    _dtype_name(tensors[0]) if tensors else "-", extra)
-    if ctx._monitor is not None:
-        ctx._monitor.check(ctx.rank, sig)
-    return sig
-
-
-def _end(ctx: RankContext, sig: Signature, payload: int, src: int = 0) -> None:
-    ctx.ledger.add(sig.op, sig.seq, sig.dtype, sig.shapes, payload, src)
-    if ctx._monitor is not None:
-        ctx._monitor.collective_done(ctx.rank, sig)
-
-
-def broadcast(ctx: RankContext, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+def broadcast(ctx: Rank, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     """Copy `tensor` from rank `src` into `tensor` on every rank (in place); returns it."""
     _check_tensor(ctx, "broadcast", tensor)
     if not 0 <= src < ctx.world_size:
         raise ValueError(f"broadcast: src must be a rank in 0..{ctx.world_size - 1}, got {src}")
-    sig = _begin(ctx, "broadcast", [tensor], f"src={src}")
+    sig = ctx.begin_collective("broadcast", [tensor], f"src={src}")
     opts = dist.BroadcastOptions()
     opts.rootRank = src
     ctx.group.broadcast([tensor], opts).wait()
-    _end(ctx, sig, tensor.numel() * tensor.element_size(), src)
+    ctx.end_collective(sig, tensor.numel() * tensor.element_size(), src)
     return tensor
 
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def all_reduce(ctx: RankContext, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+def all_reduce(ctx: Rank, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """Reduce `tensor` over all ranks with `op` ("sum", "mean" or "max"), in place; returns it.
 
     NaN and inf come out as one process's `torch.stack(...).sum(0)` / `.mean(0)` / `.amax(0)` would give them:
@@ -99,7 +98,7 @@ def all_reduce(ctx: RankContext, tensor: torch.Tensor, op: str = "sum") -> torch
     """
     _check_tensor(ctx, "all_reduce", tensor)
     _check_op("all_reduce", op, tensor)
-    sig = _begin(ctx, "all_reduce", [tensor], f"op={op}")
+    sig = ctx.begin_collective("all_reduce", [tensor], f"op={op}")
     opts = dist.AllreduceOptions()
     opts.reduceOp = _REDUCE_OPS[op]
     if op == "max" and tensor.is_floating_point():
@@ -116,11 +115,11 @@ def all_reduce(ctx: RankContext, tensor: torch.Tensor, op: str = "sum") -> torch
         ctx.group.allreduce([tensor], opts).wait()
         if op == "mean":
             tensor.div_(ctx.world_size)
-    _end(ctx, sig, tensor.numel() * tensor.element_size())
+    ctx.end_collective(sig, tensor.numel() * tensor.element_size())
     return tensor
 
 
-def all_gather(ctx: RankContext, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def all_gather(ctx: Rank, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Concatenate every rank's `tensor` along dim 0, in rank order, on every rank.
 
     Returns a tensor of shape (world_size * tensor.shape[0], *tensor.shape[1:]); pass `out` to
@@ -138,11 +137,11 @@ def all_gather(ctx: RankContext, tensor: torch.Tensor, out: torch.Tensor | None 
         if tuple(out.shape) != shape or out.dtype != tensor.dtype:
             raise ValueError(f"all_gather: out must have shape {shape} and dtype {tensor.dtype}, "
                              f"got {tuple(out.shape)} and {out.dtype}")
-    sig = _begin(ctx, "all_gather", [tensor])
+    sig = ctx.begin_collective("all_gather", [tensor])
     # the one-tensor form, straight into out (ProcessGroup.all_gather_single's backend call; a bare
     # ProcessGroupGloo, as the simulator's ranks hold, has only this underscored name for it)
     ctx.group._allgather_base(out, tensor).wait()
-    _end(ctx, sig, out.numel() * out.element_size())
+    ctx.end_collective(sig, out.numel() * out.element_size())
     return out
 
 
@@ -157,7 +156,7 @@ def all_gather(ctx: RankContext, tensor: torch.Tensor, out: torch.Tensor | None 
 ONE_TENSOR_REDUCE_SCATTER_BELOW = 1 << 20
 
 
-def reduce_scatter(ctx: RankContext, tensor: torch.Tensor, op: str = "sum",
+def reduce_scatter(ctx: Rank, tensor: torch.Tensor, op: str = "sum",
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Reduce `tensor` over all ranks, then give rank r the r-th of `world_size` equal chunks (dim 0).
 
@@ -177,7 +176,7 @@ def reduce_scatter(ctx: RankContext, tensor: torch.Tensor, op: str = "sum",
         if tuple(out.shape) != shape or out.dtype != tensor.dtype:
             raise ValueError(f"reduce_scatter: out must have shape {shape} and dtype {tensor.dtype}, "
                              f"got {tuple(out.shape)} and {out.dtype}")
-    sig = _begin(ctx, "reduce_scatter", [tensor], f"op={op}")
+    sig = ctx.begin_collective("reduce_scatter", [tensor], f"op={op}")
     opts = dist.ReduceScatterOptions()
     opts.reduceOp = dist.ReduceOp.SUM
     final, wide = out, op == "mean" and tensor.dtype in _HALF  # a half mean sums in float32 (see all_reduce)
@@ -191,15 +190,15 @@ def reduce_scatter(ctx: RankContext, tensor: torch.Tensor, op: str = "sum",
         out.div_(n)
     if wide:
         final.copy_(out)
-    _end(ctx, sig, final.numel() * n * final.element_size())  # the logical payload, in the caller's dtype
+    ctx.end_collective(sig, final.numel() * n * final.element_size())  # the logical payload, in the caller's dtype
     return final
 
 
-def barrier(ctx: RankContext) -> None:
+def barrier(ctx: Rank) -> None:
     """Wait until every rank has reached this point."""
-    sig = _begin(ctx, "barrier", [])
+    sig = ctx.begin_collective("barrier", [])
     ctx.group.barrier().wait()
-    _end(ctx, sig, 0)
+    ctx.end_collective(sig, 0)
 
 
 # -- point to point: the ring exercise's send / recv, watched by the referee ----------------------------------------
@@ -207,11 +206,11 @@ class P2PWork:
     """A started send or recv (`isend` / `irecv`). `wait()` blocks until it completes; if Gloo's timeout ends the
     wait, the error says what every rank was doing, and names a deadlock when every rank waits in a send."""
 
-    def __init__(self, ctx: RankContext, work: Any, what: str) -> None:
+    def __init__(self, ctx: Rank, work: Any, what: str) -> None:
         self._ctx, self._work, self.what = ctx, work, what
 
     def wait(self) -> None:
-        monitor = self._ctx._monitor
+        monitor = self._ctx.monitor
         if monitor is not None:
             monitor.p2p_waiting(self._ctx.rank, self.what)
         try:  # Gloo's send/recv wait with the group's connect timeout unless given one (context.gloo_group)
@@ -224,7 +223,7 @@ class P2PWork:
             monitor.p2p_done(self._ctx.rank, self.what)
 
 
-def _p2p(ctx: RankContext, op: str, tensor: torch.Tensor, peer: int, tag: int) -> str:
+def _p2p(ctx: Rank, op: str, tensor: torch.Tensor, peer: int, tag: int) -> str:
     _check_tensor(ctx, op, tensor)
     if not 0 <= peer < ctx.world_size or peer == ctx.rank:
         raise ValueError(f"{op}: the peer must be another rank in 0..{ctx.world_size - 1}, got {peer} "
@@ -233,24 +232,24 @@ def _p2p(ctx: RankContext, op: str, tensor: torch.Tensor, peer: int, tag: int) -
     return f"{op} {direction} rank {peer} (tag {tag}, shape {tuple(tensor.shape)}, {_dtype_name(tensor)})"
 
 
-def isend(ctx: RankContext, tensor: torch.Tensor, dst: int, tag: int = 0) -> P2PWork:
+def isend(ctx: Rank, tensor: torch.Tensor, dst: int, tag: int = 0) -> P2PWork:
     """Start sending `tensor` to rank `dst`; wait on the result before changing `tensor`."""
     what = _p2p(ctx, "send", tensor, dst, tag)
     return P2PWork(ctx, ctx.group.send([tensor], dst, tag), what)
 
 
-def irecv(ctx: RankContext, tensor: torch.Tensor, src: int, tag: int = 0) -> P2PWork:
+def irecv(ctx: Rank, tensor: torch.Tensor, src: int, tag: int = 0) -> P2PWork:
     """Start receiving into `tensor` from rank `src` (the sender's shape, dtype and tag must match)."""
     what = _p2p(ctx, "recv", tensor, src, tag)
     return P2PWork(ctx, ctx.group.recv([tensor], src, tag), what)
 
 
-def send(ctx: RankContext, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+def send(ctx: Rank, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
     """Send `tensor` to rank `dst` and wait until rank `dst` has received it."""
     isend(ctx, tensor, dst, tag).wait()
 
 
-def recv(ctx: RankContext, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+def recv(ctx: Rank, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
     """Receive into `tensor` from rank `src`; returns it."""
     irecv(ctx, tensor, src, tag).wait()
     return tensor

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fsdp_course.checks._common import (
+from fsdp_course.classroom.checks._common import (
     CheckFailure,
     compare_tensor,
     exception_hint,
@@ -26,10 +26,10 @@ from fsdp_course.checks._common import (
     require_world_sizes,
     run_checked,
 )
-from fsdp_course.context import RankContext
-from fsdp_course.flat_param import padded_numel
-from fsdp_course.ledger import Record
-from fsdp_course.monitor import CollectiveMismatch
+from fsdp_course.fsdp.flat_param import padded_numel
+from fsdp_course.runtime.context import RankContext
+from fsdp_course.runtime.ledger import Record
+from fsdp_course.runtime.monitor import CollectiveMismatch
 
 __all__ = ["check_all_reduce", "check_ring_all_reduce"]
 

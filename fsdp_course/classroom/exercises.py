@@ -14,8 +14,8 @@ Every `solutions/NN_topic.ipynb` becomes `exercises/NN_topic.ipynb`:
 The nbgrader cell metadata (solution / grade / locked cells, points) is kept, so an instructor can
 grade the learners' copies with nbgrader. Usage, from the repository root:
 
-    python -m fsdp_course.exercises generate   # write exercises/ (what `make exercises` runs)
-    python -m fsdp_course.exercises check      # exit 1 if exercises/ is out of date
+    python -m fsdp_course.classroom.exercises generate   # write exercises/ (what `make exercises` runs)
+    python -m fsdp_course.classroom.exercises check      # exit 1 if exercises/ is out of date
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def check(solutions_dir: Path = Path("solutions"), exercises_dir: Path = Path("e
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: `generate` or `check`; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m fsdp_course.exercises", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fsdp_course.classroom.exercises",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=("generate", "check"))
     parser.add_argument("--solutions", type=Path, default=Path("solutions"), help="default: solutions")
     parser.add_argument("--exercises", type=Path, default=Path("exercises"), help="default: exercises")

@@ -14,14 +14,14 @@ so that nbgrader scores the cell 0; a function still at its stub gives one `NotI
     09 pitfalls      check_clip_grad_norm, check_train_step
 """
 
-from fsdp_course.checks._common import CheckFailure, call_learner, compare_tensor, format_tensor, run_checked
-from fsdp_course.checks.checkpoint import check_sharded_checkpoint
-from fsdp_course.checks.collectives import check_all_reduce, check_ring_all_reduce
-from fsdp_course.checks.ddp import check_broadcast_parameters, check_ddp
-from fsdp_course.checks.flat_param import check_flat_param
-from fsdp_course.checks.fsdp_unit import check_fsdp_unit
-from fsdp_course.checks.memory import check_zero_memory
-from fsdp_course.checks.pitfalls import check_clip_grad_norm, check_train_step
+from fsdp_course.classroom.checks._common import CheckFailure, call_learner, compare_tensor, format_tensor, run_checked
+from fsdp_course.classroom.checks.checkpoint import check_sharded_checkpoint
+from fsdp_course.classroom.checks.collectives import check_all_reduce, check_ring_all_reduce
+from fsdp_course.classroom.checks.ddp import check_broadcast_parameters, check_ddp
+from fsdp_course.classroom.checks.flat_param import check_flat_param
+from fsdp_course.classroom.checks.fsdp_unit import check_fsdp_unit
+from fsdp_course.classroom.checks.memory import check_zero_memory
+from fsdp_course.classroom.checks.pitfalls import check_clip_grad_norm, check_train_step
 
 __all__ = [
     "CheckFailure",

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_course.checks._common import CHECK_TIMEOUT, CheckFailure, call_learner, require_callable
-from fsdp_course.checks._training import global_batches, local_slice, seeded_mlp
-from fsdp_course.context import RankContext
+from fsdp_course.classroom.checks._common import CHECK_TIMEOUT, CheckFailure, call_learner, require_callable
+from fsdp_course.classroom.checks._training import global_batches, local_slice, seeded_mlp
 from fsdp_course.memory import measure, zero_formula
-from fsdp_course.simulate import run_ranks
+from fsdp_course.runtime.context import RankContext
+from fsdp_course.runtime.simulate import run_ranks
 
 __all__ = ["check_zero_memory", "measure_stages"]
 
@@ -40,9 +40,9 @@ MEASURE_SLACK = 64  # bytes: Adam's `step` counters (one 4-byte scalar per param
 
 def measure_stages(world_size: int) -> dict[int, dict[str, int]]:
     """Bytes per category on rank 0 after one AdamW step, per stage, measured on `world_size` simulated ranks."""
-    from fsdp_course.ddp import DDP
-    from fsdp_course.fsdp import FSDP
-    from fsdp_course.zero import ZeRO1, ZeRO2
+    from fsdp_course.engines.ddp import DDP
+    from fsdp_course.engines.zero import ZeRO1, ZeRO2
+    from fsdp_course.fsdp.api import FSDP
 
     model = seeded_mlp(MEASURED_SIZES, seed=3)
     batch = global_batches(1, 4 * world_size, MEASURED_SIZES[0], MEASURED_SIZES[-1], seed=5)[0]

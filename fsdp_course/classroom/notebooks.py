@@ -1,9 +1,9 @@
 """Notebooks whose saved outputs are claims: `below` for lessons, and `run` to save a notebook (for authors).
 
-    from fsdp_course.notebooks import below
+    from fsdp_course.classroom.notebooks import below
     print(f"loss difference from one process: {below(diff)}")   # "< 1e-05" on every machine
 
-    python -m fsdp_course.notebooks run lessons/06_fsdp.ipynb solutions/06_fsdp.ipynb
+    python -m fsdp_course.classroom.notebooks run lessons/06_fsdp.ipynb solutions/06_fsdp.ipynb
     make notebooks                      # every lesson and solution
 
 Each notebook runs in its own new kernel (the `python3` kernel of this environment, on Unix-domain
@@ -44,7 +44,7 @@ def run_notebook(path: Path, *, timeout: float = 240.0) -> float:
     from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
 
-    from fsdp_course.ports import kernel_transport
+    from fsdp_course.runtime.ports import kernel_transport
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
@@ -65,7 +65,8 @@ def run_notebook(path: Path, *, timeout: float = 240.0) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_course.notebooks", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fsdp_course.classroom.notebooks",
+                                     description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="execute notebooks in fresh kernels and save them with outputs")
     run.add_argument("notebooks", nargs="+", type=Path)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fsdp_course.checks._common import (
+from fsdp_course.classroom.checks._common import (
     CheckFailure,
     exception_hint,
     format_tensor,
@@ -31,10 +31,17 @@ from fsdp_course.checks._common import (
     run_checked,
     scale_ratio,
 )
-from fsdp_course.checks._training import close, global_batches, local_slice, max_rel_diff, reference_run, seeded_mlp
-from fsdp_course.context import RankContext
-from fsdp_course.flat_param import padded_numel
-from fsdp_course.monitor import CollectiveHang, CollectiveMismatch
+from fsdp_course.classroom.checks._training import (
+    close,
+    global_batches,
+    local_slice,
+    max_rel_diff,
+    reference_run,
+    seeded_mlp,
+)
+from fsdp_course.fsdp.flat_param import padded_numel
+from fsdp_course.runtime.context import RankContext
+from fsdp_course.runtime.monitor import CollectiveHang, CollectiveMismatch
 
 __all__ = ["check_clip_grad_norm", "check_train_step"]
 

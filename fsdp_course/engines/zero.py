@@ -52,10 +52,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_course.context import RankContext
-from fsdp_course.ddp import broadcast_module, point_grads_at, queue_after_backward
-from fsdp_course.flat_param import FlatParamLayout, flatten_params
+from fsdp_course.engines.ddp import broadcast_module
+from fsdp_course.fsdp.flat_param import FlatGrads, FlatParamLayout, flatten_params
+from fsdp_course.hooks import queue_after_backward
 from fsdp_course.memory import optimizer_tensors, record_event
+from fsdp_course.runtime.context import RankContext
 
 __all__ = ["OptimizerFactory", "ShardedBucket", "ZeRO1", "ZeRO2", "bucket_parameters"]
 
@@ -68,7 +69,6 @@ class ShardedBucket:
     def __init__(self, named: list[tuple[str, nn.Parameter]], ctx: RankContext) -> None:
         self.rank = ctx.rank
         self.params = [p for _, p in named]
-        self.grad_views: list[torch.Tensor] = []  # ZeRO-1 only: views of the full flat gradient
         self.layout: FlatParamLayout
         self.layout, self.flat_param = flatten_params(named, ctx.world_size)  # (padded_numel,)
         with torch.no_grad():
@@ -144,26 +144,22 @@ class ZeRO1(_ZeRO):
         for name, p in _trainable(module):
             by_dtype.setdefault(p.dtype, []).append((name, p))
         super().__init__(module, ctx, optimizer_factory, list(by_dtype.values()))
-        self.flat_grads = []
-        for b in self.buckets:
-            flat_grad = torch.zeros_like(b.flat_param)  # (padded_numel,) the full gradient, kept alive
-            self.flat_grads.append(flat_grad)
-            b.grad_views = b.layout.unflatten(flat_grad)
-            point_grads_at(b.params, b.grad_views)
-            b.shard.grad = b.layout.shard(flat_grad, ctx.rank)  # (padded // N,) a view of my chunk
+        # per bucket, the full gradient kept alive (`p.grad` are its views); the shard's .grad is my chunk of it
+        self.flat_grads = [FlatGrads(b.layout, b.params) for b in self.buckets]
+        for b, grads in zip(self.buckets, self.flat_grads, strict=True):
+            b.shard.grad = b.layout.shard(grads.flat, ctx.rank)  # (padded // N,) a view of my chunk
 
     def reduce_gradients(self) -> None:
-        for b, flat_grad in zip(self.buckets, self.flat_grads, strict=True):
-            point_grads_at(b.params, b.grad_views)
-            averaged = self.ctx.reduce_scatter(flat_grad, op="mean")  # (padded // N,) my chunk, averaged
-            b.shard.grad = b.layout.shard(flat_grad, b.rank)  # (padded // N,) a view of my chunk
+        for b, grads in zip(self.buckets, self.flat_grads, strict=True):
+            grads.collect()
+            averaged = self.ctx.reduce_scatter(grads.flat, op="mean")  # (padded // N,) my chunk, averaged
+            b.shard.grad = b.layout.shard(grads.flat, b.rank)  # (padded // N,) a view of my chunk
             b.shard.grad.copy_(averaged)  # written over my chunk of the local gradient
         record_event(self, "reduce_scatter gradients")
 
     def zero_grad(self) -> None:
-        for b, flat_grad in zip(self.buckets, self.flat_grads, strict=True):
-            flat_grad.zero_()
-            point_grads_at(b.params, b.grad_views)
+        for grads in self.flat_grads:
+            grads.zero_()
 
 
 class ZeRO2(_ZeRO):

@@ -5,7 +5,7 @@ for all of a notebook's cells, a cap on what a cell may print (a flood would oth
 of it), and a record of which cells ran: a checker cell that never ran must not look like one that ran
 without an error. `TimedExecute` adds those three; `kernel_manager` runs kernels of this interpreter,
 whatever kernel the notebook's metadata names (nbgrader's OverwriteKernelspec resets the metadata only), on
-Unix sockets rather than TCP ports that a Gloo socket may take first (fsdp_course.ports). `kill_tree`
+Unix sockets rather than TCP ports that a Gloo socket may take first (fsdp_course.runtime.ports). `kill_tree`
 ends a kernel with everything it started, also processes that left its session (start_new_session=True).
 """
 
@@ -28,7 +28,7 @@ from nbformat import NotebookNode
 from nbgrader.preprocessors import Execute
 from traitlets import Float, Integer
 
-from fsdp_course.ports import kernel_transport
+from fsdp_course.runtime.ports import kernel_transport
 
 __all__ = ["NOT_RUN", "TimedExecute", "error_output", "kernel_manager", "kill_tree", "shutdown"]
 

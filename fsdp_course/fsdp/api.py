@@ -5,7 +5,7 @@ its own unit and everything else into the root unit (`wrap=None`: the whole mode
 article's pitfall 5.3 "nothing is really sharded": the whole model is gathered at once; a `wrap` class
 that makes no unit, such as the model's own class or one it does not contain, warns).  Per unit
 one flat parameter, padded to a multiple of the world size, of which each rank keeps one shard
-(flat_param.py); the unit's life cycle is in fsdp_unit.py, the checkpoints in fsdp_state_dict.py.
+(flat_param.py); the unit's life cycle is in param_group.py, the checkpoints in state_dict.py.
 
 What the article's Java trainer does, and what changes here:
   - it broadcasts rank 0's parameters, then slices the flat buffer without padding: kept (the
@@ -38,22 +38,17 @@ import copy
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from fsdp_course import fsdp_state_dict
-from fsdp_course.ddp import queue_after_backward
-from fsdp_course.flat_param import FlatParamLayout, check_same_dtype
-from fsdp_course.fsdp_unit import (
-    FlatParamHandle,
-    FSDPUnit,
-    ShardedState,
-    TrainingState,
-    register_grad_hooks,
-    sharded_away,
-)
+from fsdp_course.fsdp import state_dict as fsdp_state_dict
+from fsdp_course.fsdp.common import ShardedState, TrainingState, sharded_away
+from fsdp_course.fsdp.flat_param import FlatParamHandle, FlatParamLayout, check_same_dtype
+from fsdp_course.fsdp.param_group import FSDPUnit
+from fsdp_course.hooks import queue_after_backward, register_grad_hooks
 from fsdp_course.memory import record_event
 
 __all__ = ["FSDP", "ShardedState", "TrainingState"]
@@ -74,15 +69,21 @@ class FSDP(nn.Module):
     one piece at a time, e.g. `lambda m: meta_init.materialize(m, seed)`; every rank keeps its slice of
     each piece and drops the rest, so the extra memory is one piece, never the whole model.
 
-    `reshard_root_after_forward=True` (the course's default) frees the root unit after forward and
-    gathers it again in backward, like every other unit: 3 Psi (N-1)/N bytes per rank and step.  False
-    does what `fully_shard` does with its root: the root finishes forward last and starts backward first,
-    so it stays gathered in between, which saves one all-gather of the root per step (train.py uses this).
+    `reshard_after_forward=True` (FSDP2's default) frees every wrapped unit after its forward and gathers it
+    again in backward; False keeps them gathered from forward to backward (ZeRO-2's memory, one all-gather
+    fewer per unit and step).  `reshard_root_after_forward=True` (the course's default) treats the root unit
+    the same way: 3 Psi (N-1)/N bytes per rank and step.  False does what `fully_shard` does with its root:
+    the root finishes forward last and starts backward first, so it stays gathered in between, which saves
+    one all-gather of the root per step (train.py uses this).
+
+    Activation checkpointing (`torch.utils.checkpoint`, non-reentrant) works inside and around wrapped
+    modules; frozen parameters (`requires_grad=False`) get their own flat parameter per unit, freed when the
+    unit's backward is over; a backward that raised is forgotten at the next forward.
     """
 
     def __init__(self, module: nn.Module, ctx: Any, *, wrap: set[type[nn.Module]] | None = None,
                  init: Callable[[nn.Module], Iterable[tuple[str, dict[str, torch.Tensor]]]] | None = None,
-                 reshard_root_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True, reshard_root_after_forward: bool = True) -> None:
         super().__init__()
         on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
         if on_meta and init is None:
@@ -91,7 +92,6 @@ class FSDP(nn.Module):
         template = copy.deepcopy(module) if on_meta else None  # shapes only: costs no storage
         self.module = module
         self.ctx = ctx
-        self.sync_grads = True
         self.timeline: list[tuple[str, dict[str, int]]] = []
         self.memory_recorder = None
         self._callback_queued = False
@@ -99,13 +99,14 @@ class FSDP(nn.Module):
         wrap_types = (wrap,) if isinstance(wrap, type) else tuple(wrap or ())
         if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in wrap_types):
             raise TypeError(f"wrap must be a set of nn.Module classes (e.g. {{nn.Linear}}), got {wrap!r}")
-        occurrences = _find_parameters(module, wrap_types)  # (unit module, unit name, name, mod, attr, p)
         self.units: list[FSDPUnit] = []
         self._originals: list[nn.Parameter] = []
         with torch.no_grad():
-            for unit_module, unit_name, occ in _group_by_unit(occurrences, module):
-                handles = self._build_handles(unit_name, occ)
-                self.units.append(FSDPUnit(unit_name, unit_module, handles, self))
+            for unit_module, unit_name, uses in _group_by_unit(_find_parameters(module, wrap_types), module):
+                handles = self._build_handles(unit_name, uses)
+                self.units.append(FSDPUnit(unit_name, unit_module, handles, ctx,
+                                           reshard_after_forward=reshard_after_forward,
+                                           on_event=lambda what: record_event(self, what)))
             _warn_unused_wrap(module, wrap_types, self.units)
             if template is not None:
                 self._fill_from_pieces(init(template))  # type: ignore[misc]  (init checked above)
@@ -119,19 +120,19 @@ class FSDP(nn.Module):
         self._trip_stale_optimizers()
         for unit in self.units:
             if unit is not self.root_unit:
-                unit.module.register_forward_pre_hook(lambda m, args, u=unit: u.pre_forward())
-                unit.module.register_forward_hook(lambda m, args, out, u=unit: u.post_forward(out))
+                unit.module.register_forward_pre_hook(
+                    lambda m, args, kwargs, u=unit: self._pre_forward(u, args, kwargs), with_kwargs=True)
+                unit.module.register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))
 
-    def _build_handles(self, unit_name: str, occ: list[tuple[str, nn.Module, str, nn.Parameter]]
-                       ) -> list[FlatParamHandle]:
-        check_same_dtype([(name, p) for name, _, _, p in occ], f"FSDP unit '{unit_name or 'root'}'")
+    def _build_handles(self, unit_name: str, uses: list[ParamUse]) -> list[FlatParamHandle]:
+        check_same_dtype([(u.name, u.param) for u in uses], f"FSDP unit '{unit_name or 'root'}'")
         handles = []
         for requires_grad in (True, False):  # frozen parameters get their own flat parameter
-            group = [o for o in occ if o[3].requires_grad == requires_grad]
+            group = [u for u in uses if u.param.requires_grad == requires_grad]
             if not group:
                 continue
-            layout = FlatParamLayout.build([(name, p) for name, _, _, p in group], self.ctx.world_size)
-            unique = list({id(p): p for _, _, _, p in group}.values())
+            layout = FlatParamLayout.build([(u.name, u.param) for u in group], self.ctx.world_size)
+            unique = list({id(u.param): u.param for u in group}.values())
             if unique[0].is_meta:  # no values yet: _fill_from_pieces writes them into the shard
                 local = torch.zeros(layout.shard_numel, dtype=layout.dtype, device=self.ctx.device)
             else:
@@ -141,9 +142,9 @@ class FSDP(nn.Module):
             shard = nn.Parameter(local, requires_grad=requires_grad)  # (padded_numel // N,)
             index = {id(p): i for i, p in enumerate(unique)}
             locations: list[list[tuple[nn.Module, str]]] = [[] for _ in unique]
-            for _, mod, attr, p in group:
-                locations[index[id(p)]].append((mod, attr))
-                mod._parameters.pop(attr, None)  # the module no longer owns it
+            for u in group:
+                locations[index[id(u.param)]].append((u.owner, u.attr))
+                u.owner._parameters.pop(u.attr, None)  # the module no longer owns it
             for p in unique:  # free the originals; a stale optimizer trips over them
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 self._originals.append(p)
@@ -177,27 +178,53 @@ class FSDP(nn.Module):
         if missing:
             raise RuntimeError(f"init yielded no values for {missing}: they would stay zero")
 
-    # -- forward / backward ------------------------------------------------------------------------
+    # -- forward / backward: the hooks (FSDP2's FSDPState, _fsdp_state.py) --------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._callback_queued or any(u.training_state is not TrainingState.IDLE for u in self.units):
+            self._forget_failed_backward()
         if self.root_unit is not None:
-            self.root_unit.pre_forward()
+            args, kwargs = self._pre_forward(self.root_unit, args, kwargs)
         out = self.module(*args, **kwargs)
         if self.root_unit is not None:
-            self.root_unit.post_forward(out)
-        register_grad_hooks(out, self._on_backward_start)
+            self._post_forward(self.root_unit, out)
+        else:  # no root unit: the final callback is queued by the first gradient that arrives
+            register_grad_hooks(out, self._root_pre_backward)
         return out
 
-    def _on_backward_start(self) -> None:
+    def _pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        unit.pre_forward()
+        return unit.register_post_backward(args, kwargs)
+
+    def _post_forward(self, unit: FSDPUnit, out: Any) -> None:
+        recomputing = unit.recomputing
+        unit.post_forward()
+        if torch.is_grad_enabled() and not recomputing:
+            register_grad_hooks(out, lambda: self._pre_backward(unit))
+
+    def _pre_backward(self, unit: FSDPUnit) -> None:
+        self._root_pre_backward()
+        unit.pre_backward()
+
+    def _root_pre_backward(self) -> None:
         if not self._callback_queued:  # runs once, after the whole backward pass
             self._callback_queued = True
-            queue_after_backward(self._finish_backward)
+            queue_after_backward(self.finalize_backward)
 
-    def _finish_backward(self) -> None:
+    def finalize_backward(self) -> None:
+        """End of a backward (autograd's final callback): every unit reduces what is left and reshards."""
         for unit in self.units:
-            unit.finish_backward()
+            unit.finalize_backward()
         self._callback_queued = False
         self._trip_stale_optimizers()  # again: the stale optimizer's zero_grad() may have cleared them
         record_event(self, "backward done")
+
+    def _forget_failed_backward(self) -> None:
+        """A backward raised before its final callback: free what it gathered, drop partial unsharded gradients
+        (the sharded `.grad` keep what was reduced, as one process keeps the gradients computed before a raise)."""
+        for unit in self.units:
+            unit.reset()
+        self._callback_queued = False
+        self._trip_stale_optimizers()
 
     def _trip_stale_optimizers(self) -> None:
         """Give the emptied original parameters a gradient that raises STALE_OPTIMIZER when used."""
@@ -210,14 +237,25 @@ class FSDP(nn.Module):
         """Every flat parameter of every unit, in unit order."""
         return [h for u in self.units for h in u.handles]
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """False: backward keeps each unit's unsharded gradient and accumulates into it (no reduce-scatter);
+        the first backward after setting True again reduces everything accumulated (FSDP2's method name)."""
+        for unit in self.units:
+            unit.reduce_grads = requires_gradient_sync
+
+    @property
+    def requires_gradient_sync(self) -> bool:
+        return all(u.reduce_grads for u in self.units)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate unsharded gradients locally (no reduce-scatter) until the first backward after."""
-        previous, self.sync_grads = self.sync_grads, False
+        """`set_requires_gradient_sync(False)` inside the block (DDP's and FSDP1's name for it)."""
+        previous = self.requires_gradient_sync
+        self.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            self.sync_grads = previous
+            self.set_requires_gradient_sync(previous)
 
     # -- gradients ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -255,8 +293,8 @@ class FSDP(nn.Module):
         handles = self.handles
         return {
             "sharded_params": [h.shard for h in handles],
-            "gathered_params": [h.full for h in handles],
-            "grads": [h.full.grad for h in handles if h.full.grad is not None],
+            "gathered_params": [h.unsharded for h in handles],
+            "grads": [h.unsharded.grad for h in handles if h.unsharded.grad is not None],
             "sharded_grads": [h.shard.grad for h in handles if h.shard.grad is not None],
             "buffers": list(self.module.buffers()),
         }
@@ -293,18 +331,28 @@ def _warn_unused_wrap(root: nn.Module, wrap: tuple[type, ...], units: list[FSDPU
                       "or wrap={nn.TransformerEncoderLayer} (or wrap=None for one unit on purpose).", stacklevel=3)
 
 
-def _find_parameters(root: nn.Module, wrap: tuple[type, ...]) -> list[tuple]:
-    """Every (unit module, unit name, parameter name, owning module, attribute, parameter), in
-    named_parameters() order but keeping repeats (tied weights). The unit is the nearest wrapped
-    ancestor, else the root."""
-    found: list[tuple] = []
+@dataclass(frozen=True)
+class ParamUse:
+    """One place a parameter is used: `owner.attr` is `param`, named `name`, inside FSDP unit `unit`."""
+
+    unit: nn.Module  # the nearest wrapped ancestor, else the root
+    unit_name: str  # its module path, "" for the root
+    name: str
+    owner: nn.Module
+    attr: str
+    param: nn.Parameter
+
+
+def _find_parameters(root: nn.Module, wrap: tuple[type, ...]) -> list[ParamUse]:
+    """Every use of a parameter, in named_parameters() order but keeping repeats (tied weights)."""
+    found: list[ParamUse] = []
 
     def walk(mod: nn.Module, prefix: str, unit: nn.Module, unit_name: str) -> None:
         if mod is not root and wrap and isinstance(mod, wrap):
             unit, unit_name = mod, prefix.rstrip(".")
         for attr, p in mod._parameters.items():
             if p is not None:
-                found.append((unit, unit_name, prefix + attr, mod, attr, p))
+                found.append(ParamUse(unit, unit_name, prefix + attr, mod, attr, p))
         for child_name, child in mod._modules.items():
             if child is not None:
                 walk(child, f"{prefix}{child_name}.", unit, unit_name)
@@ -313,15 +361,14 @@ def _find_parameters(root: nn.Module, wrap: tuple[type, ...]) -> list[tuple]:
     return found
 
 
-def _group_by_unit(found: list[tuple], root: nn.Module) -> list[tuple[nn.Module, str, list[tuple]]]:
-    """Group the occurrences by unit; a parameter used by several units (tied across units) goes to
-    the root unit, which stays gathered around all of them (FSDP's lowest common ancestor rule)."""
+def _group_by_unit(found: list[ParamUse], root: nn.Module) -> list[tuple[nn.Module, str, list[ParamUse]]]:
+    """Group the uses by unit; a parameter used by several units (tied across units) goes to the root unit,
+    which stays gathered around all of them (FSDP's lowest common ancestor rule)."""
     units_of: dict[int, set[int]] = {}
-    for unit, _, _, _, _, p in found:
-        units_of.setdefault(id(p), set()).add(id(unit))
-    groups: dict[int, tuple[nn.Module, str, list[tuple]]] = {id(root): (root, "", [])}
-    for unit, unit_name, name, mod, attr, p in found:
-        if len(units_of[id(p)]) > 1:
-            unit, unit_name = root, ""
-        groups.setdefault(id(unit), (unit, unit_name, []))[2].append((name, mod, attr, p))
+    for use in found:
+        units_of.setdefault(id(use.param), set()).add(id(use.unit))
+    groups: dict[int, tuple[nn.Module, str, list[ParamUse]]] = {id(root): (root, "", [])}
+    for use in found:
+        unit, unit_name = (root, "") if len(units_of[id(use.param)]) > 1 else (use.unit, use.unit_name)
+        groups.setdefault(id(unit), (unit, unit_name, []))[2].append(use)
     return [g for g in groups.values() if g[2]]

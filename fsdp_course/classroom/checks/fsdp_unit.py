@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_course.checks._common import (
+from fsdp_course.classroom.checks._common import (
     CheckFailure,
     exception_hint,
     format_tensor,
@@ -33,9 +33,16 @@ from fsdp_course.checks._common import (
     run_checked,
     scale_ratio,
 )
-from fsdp_course.checks._training import close, global_batches, local_slice, max_rel_diff, reference_run, seeded_mlp
-from fsdp_course.context import RankContext
-from fsdp_course.flat_param import FlatParamLayout
+from fsdp_course.classroom.checks._training import (
+    close,
+    global_batches,
+    local_slice,
+    max_rel_diff,
+    reference_run,
+    seeded_mlp,
+)
+from fsdp_course.fsdp.flat_param import FlatParamLayout
+from fsdp_course.runtime.context import RankContext
 
 __all__ = ["check_fsdp_unit"]
 

@@ -18,12 +18,25 @@ import hashlib
 import io
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from fsdp_course.fsdp import FSDP
+from fsdp_course.fsdp.flat_param import FlatParamHandle
+from fsdp_course.fsdp.param_group import FSDPUnit
+
+
+class FSDP(Protocol):
+    """What a checkpoint needs of the FSDP object (api.FSDP, which imports this module, is the implementation)."""
+
+    module: nn.Module
+    ctx: Any
+    units: list[FSDPUnit]
+    state_dict_keys: list[str]
+
+    @property
+    def handles(self) -> list[FlatParamHandle]: ...
 
 FORMAT = "fsdp_course.sharded/2"  # 2: metadata records each file's size and sha256
 METADATA = "metadata.json"

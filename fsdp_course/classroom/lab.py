@@ -1,6 +1,6 @@
 """Start the course's JupyterLab: on lesson 00, with a token, no pop-ups, and the URL printed.
 
-`make lab` runs `python -m fsdp_course.lab`. The browser test (tests/test_browser.py) starts the
+`make lab` runs `python -m fsdp_course.classroom.lab`. The browser test (tests/test_browser.py) starts the
 same server through `lab_command`, so what it checks is what a student opens.
 
 No pop-ups: JupyterLab 4 asks on first start whether to fetch Jupyter news; the answer lives in the
@@ -17,7 +17,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from fsdp_course.ports import free_port
+from fsdp_course.runtime.ports import free_port
 
 __all__ = ["DEFAULT_LESSON", "free_port", "install_settings", "lab_command", "main"]
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     """Open JupyterLab on lesson 00 of the course in the current directory."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m fsdp_course.lab", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m fsdp_course.classroom.lab", description=main.__doc__)
     parser.add_argument("--port", type=int, default=8888, help="first port to try (default 8888)")
     parser.add_argument("--no-browser", action="store_true", help="do not open a browser")
     args = parser.parse_args(argv)

@@ -7,7 +7,7 @@ last rank keep a shorter slice, which Gloo's all-gather and reduce-scatter refus
 fixes it. The model then computes with *views* of the gathered buffer, so that gathering once
 refreshes every parameter and autograd sums all their gradients into one flat gradient.
 
-The learner's three functions are compared with `fsdp_course.flat_param.FlatParamLayout`, then
+The learner's three functions are compared with `fsdp_course.fsdp.flat_param.FlatParamLayout`, then
 used together on simulated ranks: every rank's shard, all-gathered, must rebuild the parameters.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fsdp_course.checks._common import (
+from fsdp_course.classroom.checks._common import (
     CheckFailure,
     call_learner,
     exception_hint,
@@ -26,8 +26,8 @@ from fsdp_course.checks._common import (
     require_callable,
     run_checked,
 )
-from fsdp_course.context import RankContext
-from fsdp_course.flat_param import FlatParamLayout
+from fsdp_course.fsdp.flat_param import FlatParamLayout
+from fsdp_course.runtime.context import RankContext
 
 __all__ = ["check_flat_param"]
 

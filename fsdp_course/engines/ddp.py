@@ -31,17 +31,18 @@ Memory per rank with fp32 AdamW: parameters 4 Psi + gradients 4 Psi + Adam's two
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 
-from fsdp_course.context import RankContext
+from fsdp_course.fsdp.flat_param import FlatGrads, FlatParamLayout
+from fsdp_course.hooks import queue_after_backward
 from fsdp_course.memory import record_event
+from fsdp_course.runtime.context import RankContext
 
-__all__ = ["DDP", "broadcast_module", "point_grads_at", "queue_after_backward"]
+__all__ = ["DDP", "broadcast_module"]
 
 
 def broadcast_module(module: nn.Module, ctx: RankContext, src: int = 0) -> None:
@@ -58,47 +59,6 @@ def broadcast_module(module: nn.Module, ctx: RankContext, src: int = 0) -> None:
             flat = ctx.broadcast(torch.cat([t.reshape(-1) for t in tensors]), src)  # (numel,)
             for t, values in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
                 t.copy_(values.view_as(t))
-
-
-def queue_after_backward(callback: Callable[[], None]) -> None:
-    """Run `callback` once the backward pass that is running now has finished (call it from a hook).
-
-    This is how PyTorch's own DDP and FSDP know that "backward is done": autograd's engine keeps a
-    list of callbacks per backward call and runs them after the last gradient has been computed.
-    """
-    Variable._execution_engine.queue_callback(callback)
-
-
-def point_grads_at(params: list[nn.Parameter], views: list[torch.Tensor]) -> None:
-    """Make every `p.grad` its view of a flat buffer again, keeping what autograd accumulated.
-
-    An optimizer's `zero_grad()` sets `p.grad = None` by default; the next backward then allocates a
-    fresh tensor, which is copied into the view here. A parameter with no gradient gets zeros.
-    """
-    for p, view in zip(params, views, strict=True):
-        if p.grad is None:  # unused since it was last reset: its gradient is zero
-            view.zero_()
-        elif p.grad.data_ptr() != view.data_ptr():  # autograd allocated a fresh tensor
-            view.copy_(p.grad)
-        p.grad = view
-
-
-class _FlatGrads:
-    """One flat buffer holding the gradients of parameters of one dtype; `p.grad` are views of it."""
-
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        self.params = params
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
-                                device=params[0].device)  # (numel,)
-        self.views = []
-        offset = 0
-        for p in params:
-            self.views.append(self.flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        point_grads_at(params, self.views)
-
-    def collect(self) -> None:
-        point_grads_at(self.params, self.views)
 
 
 class DDP(nn.Module):
@@ -121,7 +81,8 @@ class DDP(nn.Module):
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in trainable:
             by_dtype.setdefault(p.dtype, []).append(p)
-        self.grad_buffers = [_FlatGrads(params) for params in by_dtype.values()]
+        self.grad_buffers = [FlatGrads(FlatParamLayout.build([(str(i), p) for i, p in enumerate(params)], 1), params)
+                             for params in by_dtype.values()]
         for p in trainable:
             p.register_post_accumulate_grad_hook(self._on_gradient_ready)
 
