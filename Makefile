@@ -10,6 +10,7 @@ PYTHON ?= $(firstword $(foreach p,$(PYTHON_CANDIDATES),$(shell command -v $(p) >
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=240 --nbval-sanitize-with tests/sanitize.cfg
 # Another machine's numerics, reproduced here: PyTorch's portable kernels instead of this CPU's vector ones,
 # MKL's CPU-independent code path, and one intra-op thread instead of one per core. nbval's kernels inherit them.
@@ -25,32 +26,37 @@ $(BIN)/python:
 	@echo "Creating $(VENV) with $$(command -v $(PYTHON)) (Python $$($(PYTHON) -c 'import platform; print(platform.python_version())'))"
 	$(PYTHON) -m venv $(VENV)
 
+# a student's install (make lab); the test suite and the authors' tools add the extras classroom and dev
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e .
 	touch $(STAMP)
 
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[classroom,dev]"
+	touch $(DEV_STAMP)
+
 lab: $(STAMP)
 	$(BIN)/python -m fsdp_course.classroom.lab
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(BIN)/ruff check .
 	@# build matplotlib's font cache first: its one-time warning would otherwise land in a notebook cell
 	$(BIN)/python -c "import matplotlib.font_manager"
 	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15 $(NBVAL) tests lessons solutions
 	$(MAKE) --no-print-directory test-portable
 
-test-portable: $(STAMP)
+test-portable: $(DEV_STAMP)
 	$(PORTABLE_ENV) $(BIN)/python -m pytest -n 2 --dist loadfile $(NBVAL) lessons solutions
 
 # Authors: re-run every lesson and solution in a fresh kernel and save it with its outputs.
-notebooks: $(STAMP)
+notebooks: $(DEV_STAMP)
 	$(BIN)/python -m fsdp_course.classroom.notebooks run lessons/*.ipynb solutions/*.ipynb
 
-exercises: $(STAMP)
+exercises: $(DEV_STAMP)
 	$(BIN)/python -m fsdp_course.classroom.exercises generate
 
 clean-venv:

@@ -41,6 +41,37 @@ def test_environment_yml_and_pyproject_list_the_same_dependencies() -> None:
     assert "python>=3.10,<3.15" in (ROOT / "environment.yml").read_text()
 
 
+def test_students_install_less_than_the_test_suite() -> None:
+    """A student's install has no grading or test tools; `make test` installs both extras, `make lab` neither."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    core = " ".join(pyproject["project"]["dependencies"])
+    extras = pyproject["project"]["optional-dependencies"]
+    assert set(extras) == {"classroom", "dev"}
+    for tool in ("nbgrader", "nbval", "pytest", "ruff", "playwright"):
+        assert tool not in core and any(tool in " ".join(reqs) for reqs in extras.values()), tool
+    makefile = (ROOT / "Makefile").read_text()
+    assert 'pip install --quiet -e ".[classroom,dev]"' in makefile
+    assert re.search(r"^lab: \$\(STAMP\)$", makefile, re.M) and re.search(r"^test: \$\(DEV_STAMP\)$", makefile, re.M)
+    assert 'pip install -e ".[classroom,dev]"' in (ROOT / "environment.yml").read_text()
+
+
+def test_grading_without_the_classroom_extra_says_what_to_install(monkeypatch, capsys, tmp_path) -> None:
+    import builtins
+
+    from fsdp_course.classroom import cli
+
+    real_import = builtins.__import__
+
+    def no_nbgrader(name, *args, **kwargs):
+        if name.startswith("nbgrader") or (name == "fsdp_course.classroom" and "grading" in (args[2] or ())):
+            raise ModuleNotFoundError("No module named 'nbgrader'", name="nbgrader")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_nbgrader)
+    assert cli.main(["grade", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "pip install -e '.[classroom]'" in capsys.readouterr().err
+
+
 def test_ci_runs_the_readme_test_command() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()

@@ -62,17 +62,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     args = build_parser().parse_args(argv)
+    try:  # nbgrader and nbconvert come with the classroom extra, not with a student's install
+        if args.command == "grade":
+            from fsdp_course.classroom import grading
+        else:
+            from fsdp_course.classroom import exercises
+    except ImportError as exc:
+        print(f"fsdp-course {args.command}: {exc.name or exc} is missing: it comes with the classroom extra; "
+              "install it with: pip install -e '.[classroom]' (in the course's folder)", file=sys.stderr)
+        return 2
     if args.command == "grade":
-        from fsdp_course.classroom import grading  # nbgrader is imported only when grading
-
         args.solutions = args.solutions or default_solutions()
         try:
             return grading.run(args)  # exit status: 0 all graded, 1 some not, 130/143 stopped (see grading.py)
         except grading.InputError as exc:
             print(f"fsdp-course grade: {exc}", file=sys.stderr)
             return 2
-    from fsdp_course.classroom import exercises
-
     return exercises.main([args.action])
 
 
