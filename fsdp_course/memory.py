@@ -123,6 +123,8 @@ def record_event(engine: Any, label: str) -> None:
 
 
 _STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
+# which stage shards what (ZeRO's P_os, P_os+g, P_os+g+p): each model state is sharded from this stage on
+SHARDED_FROM_STAGE = {"optimizer": 1, "grads": 2, "params": 3}
 _OPTIMIZER_STATE = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}  # state tensors per param
 
 
@@ -156,11 +158,8 @@ def zero_formula(
         raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZER_STATE)}, got {optimizer!r}")
     n, psi, b = world_size, numel, bytes_per_param
     k = _OPTIMIZER_STATE[optimizer.lower()] * b  # K bytes of optimizer state per parameter
-    out = {
-        "params": psi * b / n if s >= 3 else psi * b,
-        "grads": psi * b / n if s >= 2 else psi * b,
-        "optimizer": psi * k / n if s >= 1 else psi * k,
-        "gathered": 2 * gathered_numel * b if s >= 3 else 0,
-    }
+    per_rank = {"params": psi * b, "grads": psi * b, "optimizer": psi * k}  # replicated (DDP)
+    out = {state: v / n if s >= SHARDED_FROM_STAGE[state] else v for state, v in per_rank.items()}
+    out["gathered"] = 2 * gathered_numel * b if s >= SHARDED_FROM_STAGE["params"] else 0
     out["total"] = sum(out.values())
     return out

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["Ledger", "Record", "ring_bytes"]
+__all__ = ["Ledger", "Record", "ring_bytes", "traffic_formula"]
 
 
 def ring_bytes(op: str, payload: int, world_size: int, rank: int = 0, src: int = 0) -> tuple[float, float]:
@@ -46,6 +46,15 @@ def ring_bytes(op: str, payload: int, world_size: int, rank: int = 0, src: int =
         received = 0.0 if rank == src else float(payload)
         return sent, received
     raise ValueError(f"unknown collective {op!r}")
+
+
+def traffic_formula(psi_bytes: float, world_size: int) -> dict[str, float]:
+    """Ring-model bytes sent per rank per step, Psi = parameter bytes (ZeRO, arXiv:1910.02054, section 7):
+    DDP one all-reduce, 2 Psi (N-1)/N; FSDP / ZeRO-3 all-gather twice and reduce-scatter once, 3 Psi (N-1)/N."""
+    if world_size < 1 or psi_bytes < 0:
+        raise ValueError(f"need world_size >= 1 and psi_bytes >= 0, got {world_size}, {psi_bytes}")
+    f = (world_size - 1) / world_size * psi_bytes
+    return {"ddp": 2 * f, "fsdp": 3 * f}
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Under the ring model the ledger uses, every rank sends per step (Psi = parameter
 ZeRO, arXiv:1910.02054, section 7; PyTorch FSDP, arXiv:2304.11277, section 3):
   DDP (one all-reduce of the gradients)                               2 Psi (N-1)/N
   FSDP / ZeRO-3 (all-gather in forward, again in backward, reduce-scatter)  3 Psi (N-1)/N
-These are the logical volumes counted at the call; Gloo's own algorithms may move more.
+These are the logical volumes counted at the call; Gloo's own algorithms may move more. The formulas live beside
+the cost model they follow from (`fsdp_course.runtime.ledger.traffic_formula`).
 """
 
 from __future__ import annotations
@@ -14,15 +15,10 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from fsdp_course.runtime.ledger import traffic_formula
 from fsdp_course.viz.style import OP_COLORS, byte_axis, format_bytes, new_figure
 
-
-def traffic_formula(psi_bytes: float, world_size: int) -> dict[str, float]:
-    """Ring-model bytes sent per rank per step: DDP 2 Psi (N-1)/N, FSDP / ZeRO-3 3 Psi (N-1)/N."""
-    if world_size < 1 or psi_bytes < 0:
-        raise ValueError(f"need world_size >= 1 and psi_bytes >= 0, got {world_size}, {psi_bytes}")
-    f = (world_size - 1) / world_size * psi_bytes
-    return {"ddp": 2 * f, "fsdp": 3 * f}
+__all__ = ["plot_traffic", "traffic_formula"]  # traffic_formula lives beside ring_bytes, in the ledger
 
 
 def _rank_records(obj: Any) -> dict[int, tuple[list[Any], int | None]]:
