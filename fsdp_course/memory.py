@@ -24,8 +24,6 @@ from typing import Any
 
 import torch
 
-CATEGORIES = ("params", "sharded_params", "gathered_params", "grads", "sharded_grads",
-              "buffers", "optimizer")
 PARAM_GRAD_OPTIMIZER = ("params", "sharded_params", "gathered_params", "grads", "sharded_grads",
                         "optimizer")  # what the ZeRO formulas count (not buffers, not activations)
 

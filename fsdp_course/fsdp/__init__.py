@@ -1,6 +1,6 @@
 """The course's FSDP, file for file with PyTorch's FSDP2 (torch/distributed/fsdp/_fully_shard/):
 
-  api.py          FSDP: wrapping, the hooks, the final callback  fully_shard.py (FSDPModule), _fsdp_state.py
+  api.py          FSDP: wrapping, the hooks, the final callback  _fully_shard.py (FSDPModule), _fsdp_state.py
   param_group.py  FSDPUnit: one unit's unshard / reshard cycle   _fsdp_param_group.py (FSDPParamGroup)
   flat_param.py   the flat parameter: layout, shard, unsharded   _fsdp_param.py (FSDPParam, per parameter);
                   buffer and its views                           FSDP1's _flat_param.py (FlatParamHandle)
@@ -8,16 +8,18 @@
   state_dict.py   full and sharded checkpoints                   FSDP2: DTensor state dicts (DCP reads them)
   meta_init.py    initialization without the whole model         _fsdp_init.py, reset_parameters on meta
 
-Glossary (after FSDP2's "[Note: FSDP tensors]" in _fsdp_param.py, which names each tensor an FSDPParam holds):
+Glossary (after FSDP2's "[Note: FSDP tensors]" in _fsdp_param.py, which names the tensors an FSDPParam holds):
   shard             this rank's chunk of a unit's flat parameter, `(padded_numel // N,)`, an nn.Parameter:
-                    what the optimizer steps. FSDP2: `sharded_param`, a DTensor whose local tensor is
-                    dim-0 chunk r of each parameter (FSDP2 shards every parameter on its own; the course,
+                    what the optimizer steps. FSDP2's "sharded parameter": a DTensor whose local tensor is
+                    dim-0 chunk r of one parameter (FSDP2 shards every parameter on its own; the course,
                     like FSDP1 and the article, shards one flat parameter per unit).
   padding           zeros that make the flat parameter divide by N (FSDP2 pads each parameter's dim 0).
-  unsharded         the gathered `(padded_numel,)` buffer; its storage exists only between unshard() and
-                    reshard(). FSDP2: `all_gather_outputs` (the buffer) and `_unsharded_param` (views of it).
-  views             the original parameter shapes cut out of `unsharded`; the module's attributes point at
-                    them while the unit is unsharded, at `ShardedAway` placeholders otherwise.
+  unsharded         the gathered `(padded_numel,)` buffer, an autograd leaf; its storage exists only between
+                    unshard() and reshard(). FSDP2's "all-gather output", which for plain tensors shares its
+                    data with the "unsharded parameter".
+  views             the original parameter shapes cut out of `unsharded`: FSDP2's unsharded parameters. The
+                    module's attributes point at them while the unit is unsharded, at `ShardedAway`
+                    placeholders otherwise.
   sharded / unsharded   `ShardedState`; IDLE / FORWARD / PRE_BACKWARD / POST_BACKWARD: `TrainingState`.
 """
 

@@ -20,8 +20,10 @@ calls these methods:
                      this rank), reshard everything, back to IDLE
 
 Activation checkpointing: a forward recomputed during backward runs pre_forward / post_forward while the
-unit is in PRE_BACKWARD; both return at once (as FSDP2's do), so the recomputation uses the gather that
-pre_backward made and nothing is resharded in the middle of the unit's backward.
+unit is in PRE_BACKWARD. pre_forward then only makes sure the unit is gathered, and post_forward returns at
+once, as FSDP2's `FSDPState._pre_forward` / `_post_forward` do (_fsdp_state.py: "the pre-backward hook is
+responsible for the unshard", "the post-backward hook is responsible for the reshard"): the recomputation uses
+the gather pre_backward made, and nothing is resharded in the middle of the unit's backward.
 """
 
 from __future__ import annotations
@@ -95,10 +97,9 @@ class FSDPUnit:
         return self.training_state is TrainingState.PRE_BACKWARD
 
     def pre_forward(self) -> None:
-        if self.recomputing:
-            return
-        self.training_state = TrainingState.FORWARD
-        self.unshard()
+        if not self.recomputing:
+            self.training_state = TrainingState.FORWARD
+        self.unshard()  # when recomputing: a no-op, unless a post_backward has already freed a flat parameter
         for h in self.handles:  # fresh views each forward: their grad_fn leads to h.unsharded's .grad
             h.use_unsharded_views()
 
