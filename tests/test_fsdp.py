@@ -2,13 +2,16 @@
 
 Equivalence: world sizes 1-4 (3 forces padding), SGD and AdamW, 5 steps, MLP and Transformer.
 Per step the averaged gradients and the loss match one process tightly; parameters match
-elementwise under SGD and in global norm under AdamW (Adam divides by the gradient's own scale,
-so a gradient that is mathematically zero, like attention's key bias, turns rounding noise
-into steps that differ from run to run, up to lr in size when the noise exceeds Adam's eps).
-Failures name step, parameter, rank and difference.
+elementwise under SGD and in global norm under AdamW, plus elementwise where the gradient is more
+than rounding noise (Adam divides by the gradient's own scale, so a gradient that is mathematically
+zero, like attention's key bias, turns rounding noise into steps that differ from run to run, up to
+lr in size when the noise exceeds Adam's eps). The comparison is the package's equivalence harness
+(fsdp_course.engines.equivalence, with FSDPTrainee); failures name case, world size, step,
+parameter, rank and difference.
 """
 
 import copy
+import functools
 import os
 import warnings
 
@@ -17,8 +20,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_course.classroom.checks._training import local_slice
-from fsdp_course.data import digits_tokens, digits_vectors
+from fsdp_course.engines.equivalence import (
+    ADAMW,
+    SGD,
+    Case,
+    FSDPTrainee,
+    MakeTrainee,
+    check_equivalence,
+    digits_batches,
+    full_tensor,
+    local_slice,
+    run_reference,
+)
 from fsdp_course.fsdp.api import FSDP, ShardedState, TrainingState
 from fsdp_course.memory import attach, total_bytes
 from fsdp_course.models import MLP, TransformerClassifier, TransformerConfig
@@ -26,91 +39,11 @@ from fsdp_course.runtime.simulate import RankError, run_ranks
 
 STEPS, BATCH = 5, 24  # 24 divides by 1, 2, 3 and 4
 TOL = 1e-5
-
-
-def make_opt(name, params):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+OPTIMIZERS = {"sgd": (SGD, "elementwise"), "adamw": (ADAMW, "global_norm")}
 
 
 def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
-
-
-def reference_run(base, batches, opt_name):
-    """One process, the whole global batch: [(loss, grads, params)] per step."""
-    model = copy.deepcopy(base)
-    opt = make_opt(opt_name, model.parameters())
-    records = []
-    for x, y in batches:
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
-                 for n, p in model.named_parameters() if p.requires_grad}
-        opt.step()
-        opt.zero_grad()
-        records.append((loss.item(), grads, {n: p.detach().clone() for n, p in model.named_parameters()}))
-    return records
-
-
-def fsdp_run(base, batches, opt_name, wrap, world_size, **fsdp_kwargs):
-    """The same steps under FSDP; each rank sees its slice of every global batch."""
-    def rank_fn(ctx):
-        fsdp = FSDP(copy.deepcopy(base), ctx, wrap=wrap, **fsdp_kwargs)
-        opt = make_opt(opt_name, fsdp.parameters())
-        n, r = ctx.world_size, ctx.rank
-        records = []
-        for x, y in batches:
-            b = x.shape[0] // n
-            loss = F.cross_entropy(fsdp(x[r * b:(r + 1) * b]), y[r * b:(r + 1) * b])
-            loss.backward()
-            global_loss = ctx.all_reduce(loss.detach().reshape(1).clone(), op="mean").item()
-            grads = fsdp.full_grads()
-            opt.step()
-            opt.zero_grad()
-            records.append((global_loss, grads, fsdp.full_state_dict()))
-        return records
-    return run_ranks(rank_fn, world_size, timeout=60)
-
-
-def compare(ref, results, opt_name):
-    errors = []
-    # Adam checked elementwise only where the gradient stays well above rounding noise: at every
-    # step at least 1e-3 of its tensor's largest. (Adam's step g/(|g| + eps) turns the relative
-    # rounding error of a tiny, cancelled gradient into a visible step; the key part of attention's
-    # in_proj_bias, ~1e-9, is pure noise: softmax ignores a constant shift.)
-    signal = {}
-    for name in ref[0][1]:
-        g = torch.stack([r[1][name].abs() for r in ref])  # (steps, *shape)
-        scale = g.reshape(len(ref), -1).amax(1).reshape(-1, *[1] * (g.dim() - 1))
-        signal[name] = (g >= 1e-3 * scale).all(0)
-    for rank, records in enumerate(results):
-        for step, ((rl, rg, rp), (fl, fg, fp)) in enumerate(zip(ref, records, strict=True)):
-            if abs(fl - rl) > TOL * abs(rl):
-                errors.append(f"step {step} rank {rank}: loss {fl} vs {rl}")
-            for name, g in rg.items():
-                d = rel(fg[name], g)
-                if d > TOL:
-                    errors.append(f"step {step} rank {rank} grad {name}: relative norm of diff {d:.2e}")
-            if opt_name == "sgd":
-                for name, p in rp.items():
-                    d = ((fp[name] - p).abs().max() / p.abs().max().clamp_min(1e-12)).item()
-                    if d > TOL:
-                        errors.append(f"step {step} rank {rank} param {name}: max diff / max {d:.2e}")
-            else:  # Adam: global norm, and elementwise where the gradient is more than rounding noise
-                diff = torch.cat([(fp[n] - p).reshape(-1) for n, p in rp.items()]).norm()
-                norm = torch.cat([p.reshape(-1) for p in rp.values()]).norm()
-                if diff > TOL * norm:
-                    errors.append(f"step {step} rank {rank} params: global rel diff {diff / norm:.2e}")
-                for name, p in rp.items():
-                    if name not in signal:
-                        continue
-                    d = ((fp[name] - p).abs() * signal[name]).max().item() / p.abs().max().item()
-                    if d > TOL:
-                        errors.append(f"step {step} rank {rank} param {name}: max diff / max {d:.2e} "
-                                      "where the gradient is not noise")
-    assert not errors, "\n".join(errors[:12])
 
 
 def mlp():
@@ -122,33 +55,53 @@ def transformer():
 
 
 def batches_for(kind):
-    x, y = digits_vectors() if kind == "mlp" else digits_tokens()
-    if kind == "transformer":
-        x = x[:, ::4]  # 16 tokens of each image: the same test, a quarter of the time
-    return [(x[s * BATCH:(s + 1) * BATCH], y[s * BATCH:(s + 1) * BATCH]) for s in range(STEPS)]
+    if kind == "mlp":
+        return digits_batches("vectors", STEPS, BATCH)
+    return digits_batches("tokens", STEPS, BATCH, token_stride=4)  # 16 tokens: the same test, a quarter of the time
 
 
 MODELS = {"mlp": (mlp, {nn.Linear}), "transformer": (transformer, {nn.TransformerEncoderLayer})}
+AUTO = "auto"  # wrap by the model's kind, as in MODELS
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def make_fsdp(wrap=AUTO, **fsdp_kwargs) -> MakeTrainee:
+    """The harness's adapter: FSDP over each rank's copy, the optimizer on the shards."""
+    def make(model, ctx, optimizer_factory):
+        units = wrap
+        if wrap is AUTO:
+            units = MODELS["mlp" if isinstance(model, MLP) else "transformer"][1]
+        return FSDPTrainee(FSDP(model, ctx, wrap=units, **fsdp_kwargs), optimizer_factory)
+    return make
+
+
+def case(name, base, opt_name, batches):
+    factory, params = OPTIMIZERS[opt_name]
+    return Case(f"{name}/{opt_name}", base, factory, batches, params)
+
+
+@functools.cache
+def grid():
+    """Both models with SGD (momentum) and AdamW, built once under seed 0, with their one-process references."""
+    cases = []
+    for kind, (make, _) in MODELS.items():
+        torch.manual_seed(0)
+        base = make()
+        cases += [case(kind, base, opt_name, batches_for(kind)) for opt_name in OPTIMIZERS]
+    return tuple(cases), tuple(run_reference(c) for c in cases)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("kind", ["mlp", "transformer"])
-def test_equivalence_with_one_process(kind, world_size, opt_name):
-    make, wrap = MODELS[kind]
-    torch.manual_seed(0)
-    base = make()
-    batches = batches_for(kind)
-    compare(reference_run(base, batches, opt_name),
-            fsdp_run(base, batches, opt_name, wrap, world_size), opt_name)
+def test_equivalence_with_one_process(world_size):
+    cases, references = grid()
+    check_equivalence(cases, make_fsdp(), world_size, references=references, timeout=60)
 
 
-@pytest.mark.parametrize("kind", ["mlp", "transformer"])
-def test_equivalence_whole_model_as_one_unit(kind):
-    torch.manual_seed(0)
-    base = MODELS[kind][0]()
-    batches = batches_for(kind)[:2]
-    compare(reference_run(base, batches, "sgd"), fsdp_run(base, batches, "sgd", None, 3), "sgd")
+def test_equivalence_whole_model_as_one_unit():
+    cases = []
+    for kind, (make, _) in MODELS.items():
+        torch.manual_seed(0)
+        cases.append(case(kind, make(), "sgd", batches_for(kind)[:2]))
+    check_equivalence(cases, make_fsdp(None), 3)
 
 
 # ---------------------------------------------------------------------------- edge cases
@@ -189,7 +142,7 @@ def test_tied_parameters_one_copy_one_gradient():
     y = torch.randint(0, 11, (STEPS * 12,))
     batches = [(x[s * 12:(s + 1) * 12], y[s * 12:(s + 1) * 12]) for s in range(STEPS)]
     wrap = {nn.Sequential, nn.Linear}  # block and head are units; the tied weight goes to the root
-    compare(reference_run(base, batches, "sgd"), fsdp_run(base, batches, "sgd", wrap, 3), "sgd")
+    check_equivalence([case("tied", base, "sgd", batches)], make_fsdp(wrap), 3)
 
     def count(ctx):
         fsdp = FSDP(copy.deepcopy(base), ctx, wrap=wrap)
@@ -203,16 +156,18 @@ def test_tied_parameters_one_copy_one_gradient():
                          "head": ["head.bias"]}
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
-def test_frozen_and_unused_parameters(opt_name):
+def test_frozen_and_unused_parameters():
     torch.manual_seed(0)
     base = Partial()
     batches = batches_for("mlp")
-    compare(reference_run(base, batches, opt_name),
-            fsdp_run(base, batches, opt_name, {nn.Linear}, 3), opt_name)
-    results = fsdp_run(base, batches, opt_name, {nn.Linear}, 2)
-    last = results[0][-1]
-    assert torch.equal(last[2]["frozen.weight"], base.frozen.weight)  # frozen: never moves
+    results = check_equivalence([case("partial", base, opt_name, batches) for opt_name in OPTIMIZERS],
+                                make_fsdp({nn.Linear}), 3)
+    for name, result in results.items():
+        frozen = full_tensor(result.traces, STEPS - 1, "frozen.weight", base.frozen.weight)
+        assert torch.equal(frozen, base.frozen.weight), name  # frozen: never moves
+        if name.endswith("sgd"):
+            skipped = full_tensor(result.traces, STEPS - 1, "skipped.weight", base.skipped.weight)
+            assert torch.equal(skipped, base.skipped.weight)
 
     def shard_grads(ctx):
         fsdp = FSDP(copy.deepcopy(base), ctx, wrap={nn.Linear})
@@ -224,8 +179,6 @@ def test_frozen_and_unused_parameters(opt_name):
         assert all(g is None for g in grads["frozen"])  # frozen: no gradient at all
         assert all(g is None for g in grads["skipped"])  # unused on every rank: None, as on one process
         assert all(g is not None for g in grads["mid"] + grads["out"])
-    if opt_name == "sgd":
-        assert torch.equal(last[2]["skipped.weight"], base.skipped.weight)
 
 
 def test_initial_values_and_buffers_come_from_rank_zero():
@@ -352,8 +305,8 @@ def test_clip_grad_norm_is_global():
 
     def rank_fn(ctx):
         fsdp = FSDP(copy.deepcopy(base), ctx, wrap={nn.Linear})
-        b = x.shape[0] // ctx.world_size
-        F.cross_entropy(fsdp(x[ctx.rank * b:(ctx.rank + 1) * b]), y[ctx.rank * b:(ctx.rank + 1) * b]).backward()
+        xs, ys = local_slice((x, y), ctx.rank, ctx.world_size)
+        F.cross_entropy(fsdp(xs), ys).backward()
         shard_norm = torch.cat([p.grad for p in fsdp.parameters()]).norm().item()  # the article's norm
         return fsdp.clip_grad_norm_(0.5).item(), shard_norm, fsdp.full_grads()
     for rank, (norm, shard_norm, grads) in enumerate(run_ranks(rank_fn, 3)):
@@ -391,20 +344,20 @@ def test_sharded_checkpoint_round_trips_exactly(tmp_path):
     wrap = {nn.Linear}
 
     def step(ctx, fsdp, opt, x, y):
-        b = x.shape[0] // ctx.world_size
-        F.cross_entropy(fsdp(x[ctx.rank * b:(ctx.rank + 1) * b]), y[ctx.rank * b:(ctx.rank + 1) * b]).backward()
+        xs, ys = local_slice((x, y), ctx.rank, ctx.world_size)
+        F.cross_entropy(fsdp(xs), ys).backward()
         opt.step()
         opt.zero_grad()
 
     def rank_fn(ctx):
         fsdp = FSDP(copy.deepcopy(base), ctx, wrap=wrap)
-        opt = make_opt("adamw", fsdp.parameters())
+        opt = ADAMW(fsdp.parameters())
         step(ctx, fsdp, opt, *batches[0])
         fsdp.save_sharded(str(tmp_path), opt)
         step(ctx, fsdp, opt, *batches[1])
         after = fsdp.full_state_dict()
         fresh = FSDP(MLP([64, 48, 48, 10]), ctx, wrap=wrap)  # different initial values
-        fresh_opt = make_opt("adamw", fresh.parameters())
+        fresh_opt = ADAMW(fresh.parameters())
         fresh.load_sharded(str(tmp_path), fresh_opt)
         step(ctx, fresh, fresh_opt, *batches[1])
         return after, fresh.full_state_dict()
@@ -431,8 +384,8 @@ def test_no_sync_accumulates_like_one_big_batch():
 
     def rank_fn(ctx):
         fsdp = FSDP(copy.deepcopy(base), ctx, wrap={nn.Linear})
-        b = x.shape[0] // ctx.world_size
-        xs, ys = x[ctx.rank * b:(ctx.rank + 1) * b], y[ctx.rank * b:(ctx.rank + 1) * b]
+        xs, ys = local_slice((x, y), ctx.rank, ctx.world_size)
+        b = xs.shape[0]
         ctx.ledger.clear()
         with fsdp.no_sync():  # first micro-batch: gradients stay local, unsharded
             (F.cross_entropy(fsdp(xs[: b // 2]), ys[: b // 2]) / 2).backward()
@@ -458,8 +411,7 @@ def measured_step(wrap, world_size, **fsdp_kwargs):
     def rank_fn(ctx):
         fsdp = FSDP(copy.deepcopy(base), ctx, wrap=wrap, **fsdp_kwargs)
         opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
-        b = x.shape[0] // ctx.world_size
-        xs, ys = x[ctx.rank * b:(ctx.rank + 1) * b], y[ctx.rank * b:(ctx.rank + 1) * b]
+        xs, ys = local_slice((x, y), ctx.rank, ctx.world_size)
         recorder = attach(fsdp, opt)
         for _ in range(2):  # the first step creates Adam's state; measure the second
             recorder.reset()
@@ -512,9 +464,9 @@ def test_root_kept_gathered_saves_one_gather_of_the_root(world_size):
         for keep in (False, True):
             fsdp = FSDP(copy.deepcopy(base), ctx, wrap={nn.TransformerEncoderLayer},
                         reshard_root_after_forward=not keep)
-            b = x.shape[0] // ctx.world_size
+            xs, ys = local_slice((x, y), ctx.rank, ctx.world_size)
             ctx.ledger.clear()
-            F.cross_entropy(fsdp(x[ctx.rank * b:(ctx.rank + 1) * b]), y[ctx.rank * b:(ctx.rank + 1) * b]).backward()
+            F.cross_entropy(fsdp(xs), ys).backward()
             sent.append(ctx.ledger.total()[0])
         return sent, fsdp.unit_numels()
 
@@ -530,9 +482,8 @@ def test_root_kept_gathered_is_still_one_process(world_size):
     torch.manual_seed(0)
     base = transformer()
     batches = batches_for("transformer")[:3]
-    compare(reference_run(base, batches, "adamw"),
-            fsdp_run(base, batches, "adamw", {nn.TransformerEncoderLayer}, world_size,
-                     reshard_root_after_forward=False), "adamw")
+    check_equivalence([case("transformer", base, "adamw", batches)],
+                      make_fsdp({nn.TransformerEncoderLayer}, reshard_root_after_forward=False), world_size)
 
 
 def test_root_kept_gathered_only_while_a_backward_will_come():

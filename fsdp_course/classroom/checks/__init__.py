@@ -1,9 +1,10 @@
 """Exercise checkers: run a learner's function on simulated ranks and compare it with a pure computation.
 
 One module per exercise (named after the lesson it follows), the shared machinery in `_common` and
-`_training`: a checker either prints what passed (which world sizes, which cases) or prints exactly
-what failed (world size, rank, step, tensor, difference) with a hint, and raises `AssertionError`
-so that nbgrader scores the cell 0; a function still at its stub gives one `NotImplementedError`.
+the equivalence harness (`fsdp_course.engines.equivalence`: seeded models and batches, each rank's
+slice, one process's steps): a checker either prints what passed (which world sizes, which cases)
+or prints exactly what failed (world size, rank, step, tensor, difference) with a hint, and raises
+`AssertionError` so that nbgrader scores the cell 0; a function still at its stub gives one `NotImplementedError`.
 
     01 collectives   check_all_reduce, check_ring_all_reduce
     02 ddp           check_broadcast_parameters, check_ddp

@@ -11,6 +11,7 @@ one process training on the whole batch, step by step.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,13 +28,13 @@ from fsdp_course.classroom.checks._common import (
     run_checked,
     scale_ratio,
 )
-from fsdp_course.classroom.checks._training import (
+from fsdp_course.engines.equivalence import (
     close,
     global_batches,
     local_grads,
     local_slice,
     max_rel_diff,
-    reference_run,
+    reference_steps,
     seeded_mlp,
 )
 from fsdp_course.runtime.context import RankContext
@@ -124,7 +125,7 @@ def check_ddp(broadcast_parameters: Callable[[RankContext, nn.Module], Any],
     sizes = require_world_sizes(world_sizes)
     batches = global_batches(STEPS, GLOBAL_BATCH, SIZES[0], SIZES[-1], seed=7)
     base = _rank_models(1)[0]
-    reference = reference_run(base, batches, LR)
+    reference = reference_steps(base, batches, functools.partial(torch.optim.SGD, lr=LR))
     for n in sizes:
         models = _rank_models(n)
         current = [0] * n

@@ -17,6 +17,7 @@ and `layout` (its `FlatParamLayout`).
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,12 +34,12 @@ from fsdp_course.classroom.checks._common import (
     run_checked,
     scale_ratio,
 )
-from fsdp_course.classroom.checks._training import (
+from fsdp_course.engines.equivalence import (
     close,
     global_batches,
     local_slice,
     max_rel_diff,
-    reference_run,
+    reference_steps,
     seeded_mlp,
 )
 from fsdp_course.fsdp.flat_param import FlatParamLayout
@@ -92,7 +93,7 @@ def check_fsdp_unit(unit_class: Callable[[nn.Module, RankContext], Any],
     sizes = require_world_sizes(world_sizes)
     model = seeded_mlp(SIZES, seed=11)
     batches = global_batches(STEPS, GLOBAL_BATCH, SIZES[0], SIZES[-1], seed=12)
-    reference = reference_run(model, batches, LR)
+    reference = reference_steps(model, batches, functools.partial(torch.optim.SGD, lr=LR))
     for n in sizes:
         state = [(0, "building the units")] * n
 

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_course.classroom.checks._common import CHECK_TIMEOUT, CheckFailure, call_learner, require_callable
-from fsdp_course.classroom.checks._training import global_batches, local_slice, seeded_mlp
-from fsdp_course.memory import measure, zero_formula
+from fsdp_course.engines.equivalence import global_batches, local_slice, seeded_mlp
+from fsdp_course.memory import SHARDED_FROM_STAGE, measure, zero_formula
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.simulate import run_ranks
 
@@ -31,7 +31,6 @@ __all__ = ["check_zero_memory", "measure_stages"]
 
 KEYS = ("params", "grads", "optimizer", "total")
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}
-SHARDED = {"optimizer": 1, "grads": 2, "params": 3}  # the stage from which each is sharded
 FORMULA_CASES = ((1_000, 1), (1_000, 4), (12_344, 2), (29_164_304, 8))  # (numel, world size)
 MEASURED_SIZES = (16, 16, 16, 8)  # 680 parameters: every layer's numel divides by 8, so no padding
 MEASURE_WORLD_SIZES = (2, 4)
@@ -81,11 +80,11 @@ def measure_stages(world_size: int) -> dict[int, dict[str, int]]:
 def _hint(key: str, stage: int, n: int, got: float, expected: float) -> str:
     if key == "total":
         return "total is params + grads + optimizer"
-    shared = stage >= SHARDED[key]
+    shared = stage >= SHARDED_FROM_STAGE[key]
     what = {"params": "parameters", "grads": "gradients", "optimizer": "Adam state"}[key]
     if n > 1 and abs(got - expected * n) < 1e-6 * expected * n and shared:
         return (f"{STAGE_NAMES[stage]} shards the {what}: each rank keeps 1/N of them; divide by the world size "
-                f"(stage {SHARDED[key]} and above)")
+                f"(stage {SHARDED_FROM_STAGE[key]} and above)")
     if n > 1 and abs(got * n - expected) < 1e-6 * expected and not shared:
         return (f"{STAGE_NAMES[stage]} does not shard the {what} yet: stage 1 shards the optimizer state, stage 2 "
                 "also the gradients, stage 3 also the parameters")

@@ -15,6 +15,7 @@ N times too long (divergence). The learner's fixed step must train exactly like 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,12 +32,12 @@ from fsdp_course.classroom.checks._common import (
     run_checked,
     scale_ratio,
 )
-from fsdp_course.classroom.checks._training import (
+from fsdp_course.engines.equivalence import (
     close,
     global_batches,
     local_slice,
     max_rel_diff,
-    reference_run,
+    reference_steps,
     seeded_mlp,
 )
 from fsdp_course.fsdp.flat_param import padded_numel
@@ -162,7 +163,7 @@ def check_train_step(fn: Callable[[RankContext, Any, torch.optim.Optimizer, torc
     sizes = require_world_sizes(world_sizes)
     model = seeded_mlp(STEP_SIZES, seed=31)
     batches = global_batches(STEP_STEPS, STEP_BATCH, STEP_SIZES[0], STEP_SIZES[-1], seed=32)
-    reference = reference_run(model, batches, STEP_LR)
+    reference = reference_steps(model, batches, functools.partial(torch.optim.SGD, lr=STEP_LR))
     for n in sizes:
         current = [1] * n
 
