@@ -63,6 +63,18 @@ def _check_tensor(ctx: Rank, op: str, tensor: object, name: str = "tensor") -> t
     return tensor
 
 
+def _output(ctx: Rank, op: str, out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor
+            ) -> torch.Tensor:
+    """The caller's `out` checked against the shape and dtype the collective writes, or a new tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    _check_tensor(ctx, op, out, "out")
+    if tuple(out.shape) != shape or out.dtype != like.dtype:
+        raise ValueError(f"{op}: out must have shape {shape} and dtype {like.dtype}, "
+                         f"got {tuple(out.shape)} and {out.dtype}")
+    return out
+
+
 def _check_op(op_name: str, op: str, tensor: torch.Tensor) -> None:
     allowed = ("sum", "mean") if op_name == "reduce_scatter" else tuple(_REDUCE_OPS)
     if op not in allowed:
@@ -130,13 +142,7 @@ def all_gather(ctx: Rank, tensor: torch.Tensor, out: torch.Tensor | None = None)
         raise ValueError("all_gather: tensor must have at least one dimension: use tensor.reshape(1)")
     n = ctx.world_size
     shape = (n * tensor.shape[0], *tensor.shape[1:])
-    if out is None:
-        out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-    else:
-        _check_tensor(ctx, "all_gather", out, "out")
-        if tuple(out.shape) != shape or out.dtype != tensor.dtype:
-            raise ValueError(f"all_gather: out must have shape {shape} and dtype {tensor.dtype}, "
-                             f"got {tuple(out.shape)} and {out.dtype}")
+    out = _output(ctx, "all_gather", out, shape, tensor)
     sig = ctx.begin_collective("all_gather", [tensor])
     # the one-tensor form, straight into out (ProcessGroup.all_gather_single's backend call; a bare
     # ProcessGroupGloo, as the simulator's ranks hold, has only this underscored name for it)
@@ -169,13 +175,7 @@ def reduce_scatter(ctx: Rank, tensor: torch.Tensor, op: str = "sum",
         raise ValueError(f"reduce_scatter: the first dimension ({tuple(tensor.shape)}) must divide by the "
                          f"world size {n}: pad the tensor to a multiple of {n} first")
     shape = (tensor.shape[0] // n, *tensor.shape[1:])
-    if out is None:
-        out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-    else:
-        _check_tensor(ctx, "reduce_scatter", out, "out")
-        if tuple(out.shape) != shape or out.dtype != tensor.dtype:
-            raise ValueError(f"reduce_scatter: out must have shape {shape} and dtype {tensor.dtype}, "
-                             f"got {tuple(out.shape)} and {out.dtype}")
+    out = _output(ctx, "reduce_scatter", out, shape, tensor)
     sig = ctx.begin_collective("reduce_scatter", [tensor], f"op={op}")
     opts = dist.ReduceScatterOptions()
     opts.reduceOp = dist.ReduceOp.SUM
