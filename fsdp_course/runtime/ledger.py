@@ -49,8 +49,9 @@ def ring_bytes(op: str, payload: int, world_size: int, rank: int = 0, src: int =
 
 
 def traffic_formula(psi_bytes: float, world_size: int) -> dict[str, float]:
-    """Ring-model bytes sent per rank per step, Psi = parameter bytes (ZeRO, arXiv:1910.02054, section 7):
-    DDP one all-reduce, 2 Psi (N-1)/N; FSDP / ZeRO-3 all-gather twice and reduce-scatter once, 3 Psi (N-1)/N."""
+    """Ring-model bytes sent per rank per step (ZeRO, arXiv:1910.02054, section 7), `psi_bytes` = the payload in
+    bytes (Psi parameters x bytes per element): DDP one all-reduce, 2 Psi (N-1)/N elements; FSDP / ZeRO-3 all-gather
+    twice and reduce-scatter once, 3 Psi (N-1)/N elements."""
     if world_size < 1 or psi_bytes < 0:
         raise ValueError(f"need world_size >= 1 and psi_bytes >= 0, got {world_size}, {psi_bytes}")
     f = (world_size - 1) / world_size * psi_bytes

@@ -1,9 +1,10 @@
 """Bytes per collective per step, from the ledger, against the ZeRO paper's communication volumes.
 
-Under the ring model the ledger uses, every rank sends per step (Psi = parameter bytes, N ranks;
+Under the ring model the ledger uses, every rank sends per step (Psi = the number of parameters, N ranks;
 ZeRO, arXiv:1910.02054, section 7; PyTorch FSDP, arXiv:2304.11277, section 3):
-  DDP (one all-reduce of the gradients)                               2 Psi (N-1)/N
-  FSDP / ZeRO-3 (all-gather in forward, again in backward, reduce-scatter)  3 Psi (N-1)/N
+  DDP (one all-reduce of the gradients)                               2 Psi (N-1)/N elements
+  FSDP / ZeRO-3 (all-gather in forward, again in backward, reduce-scatter)  3 Psi (N-1)/N elements
+times the bytes per element (4 in fp32).
 These are the logical volumes counted at the call; Gloo's own algorithms may move more. The formulas live beside
 the cost model they follow from (`fsdp_course.runtime.ledger.traffic_formula`).
 """
@@ -76,5 +77,5 @@ def plot_traffic(ledgers_or_records: Any, psi_bytes: float, world_size: int, *, 
     byte_axis(ax, max(max(bottom), formula["fsdp"]))
     ax.legend(fontsize=8, loc="best")
     ax.set_title(title or f"Bytes {direction} by rank {rank} per phase (ring model, N = {world_size}, "
-                 f"Ψ = {format_bytes(psi_bytes)})", fontsize=10)
+                 f"payload = {format_bytes(psi_bytes)})", fontsize=10)
     return fig
