@@ -5,6 +5,7 @@
   collectives.py  broadcast, all_reduce, all_gather, reduce_scatter, barrier, send/recv over the real group
   monitor.py      the referee: compares every collective across ranks, names mismatches, hangs and deadlocks
   ledger.py       the traffic ledger (ring cost model) and the per-step traffic formulas
+  cost_model.py   the α–β model: collectives timed on simulated ranks, fit of α and β, predict()
   output.py       per-rank prints, replayed in rank order
   ports.py        free TCP ports (torchrun, JupyterLab) and the kernels' transport
 """
