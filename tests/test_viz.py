@@ -13,7 +13,9 @@ from matplotlib.colors import to_hex  # noqa: E402
 
 from fsdp_course import viz  # noqa: E402
 from fsdp_course.fsdp.flat_param import FlatParamLayout  # noqa: E402
+from fsdp_course.fsdp.per_param import PerParamLayout  # noqa: E402
 from fsdp_course.runtime.ledger import Ledger  # noqa: E402
+from fsdp_course.viz.sharding import plot_per_param_sharding  # noqa: E402  (not re-exported by viz yet)
 
 
 def patches(fig, prefix):
@@ -112,6 +114,43 @@ def test_sharding_map_says_a_shared_module_path_once():
 def test_sharding_map_bad_input(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         viz.plot_sharding(*args, **kwargs)
+
+
+def test_per_param_sharding_map():
+    """Every parameter cut on dim 0 into N chunks of ceil(dim0 / N) rows; each rank's padding rows hatched."""
+    named = [("up.weight", torch.zeros(5, 3)), ("up.bias", torch.zeros(5)), ("down.weight", torch.zeros(2, 5)),
+             ("down.bias", torch.zeros(3))]
+    fig = plot_per_param_sharding(PerParamLayout.build(named, 3))
+    for name, _ in named:
+        ranks = [p for p in patches(fig, "rank") if p.get_gid().endswith(f":{name}")]
+        assert [to_hex(p.get_facecolor()) for p in ranks] == [viz.rank_color(r) for r in range(3)], name
+    widths = {p.get_gid(): round(p.get_width() * 3, 6) for p in patches(fig, "rank")}  # share of a rank's chunk
+    # up.weight: 5 rows -> 2 per rank, rank 2 holds 1 row; down.weight: 2 rows -> 1 per rank, rank 2 holds none
+    assert [widths[f"rank{r}:up.weight"] for r in range(3)] == [1, 1, 0.5]
+    assert [widths[f"rank{r}:down.weight"] for r in range(3)] == [1, 1, 0]
+    assert [widths[f"rank{r}:down.bias"] for r in range(3)] == [1, 1, 1]
+    pad = {p.get_gid(): (round(p.get_x() * 3, 6), round(p.get_width() * 3, 6)) for p in patches(fig, "padding")}
+    assert pad == {"padding:up.weight": (2.5, 0.5), "padding:up.bias": (2.5, 0.5), "padding:down.weight": (2, 1)}
+    assert all(p.get_hatch() == "///" for p in patches(fig, "padding"))
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["up.weight (5, 3)", "up.bias (5,)", "down.weight (2, 5)",
+                                                            "down.bias (3,)"]
+    right = [t.get_text() for t in ax.child_axes[0].get_yticklabels()]
+    assert right == ["(2, 3) per rank, pad 3", "(2,) per rank, pad 1", "(1, 5) per rank, pad 5", "(1,) per rank"]
+    assert "33 elements + 9 padding = 3 ranks x 14 (56 B per rank)" in ax.get_xlabel()
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == ["rank 0", "rank 1", "rank 2", "padding"]
+
+
+def test_per_param_sharding_map_from_plain_data_and_bad_input():
+    fig = plot_per_param_sharding(["enc.a.weight", "enc.a.bias"], [(4, 2), (4,)], 2)  # no padding
+    assert patches(fig, "padding") == [] and len(patches(fig, "rank")) == 4
+    assert "enc.a.*" in fig.axes[0].get_title()
+    for args, match in [((["a"], [(4,)]), "needs world_size"), ((["a", "b"], [(4,)], 2), "one shape per name"),
+                        ((["a"], [()], 2), "no rows"), ((["a"], [(4,)], 0), "world_size must be"),
+                        (([], [], 2), "nothing to draw")]:
+        with pytest.raises(ValueError, match=match):
+            plot_per_param_sharding(*args)
 
 
 # ---------------------------------------------------------------- memory timeline

@@ -21,22 +21,33 @@ ZeRO1 (P_os): gradients accumulate into one full flat gradient buffer per dtype 
   views), as in DDP. `step()` reduce-scatters it (op="mean"): this rank receives the average of its
   own chunk, written back over that chunk. Steps its chunk, then all-gathers the parameters.
 ZeRO2 (P_os+g): gradients are reduce-scattered during backward, bucket by bucket (about
-  `bucket_numel` elements each, in the order the gradients become ready), and the full gradients
-  of a bucket are dropped as soon as it is reduced: only this rank's averaged chunk (4 Psi / N
-  bytes) stays. The full gradient never exists at once, which lowers the peak too. Buckets are
-  reduced strictly in order (so every rank issues the same collectives), and the order is a guess:
-  reverse registration order. Where the guess is off, gradients wait for their bucket's turn, and
-  the measured peak shows it (a pre-norm Transformer layer registers norm1 last but uses it first,
-  so its bucket completes only at the end of the layer's backward). PyTorch's DDP rebuilds its
-  buckets after the first step in the order rank 0 observed.
+  `bucket_numel` elements each), and a bucket's full gradient is dropped as soon as it is reduced:
+  only this rank's averaged chunk (4 Psi / N bytes) stays. Buckets are reduced strictly in order (so
+  every rank issues the same collectives), so their order must be the order in which the backward
+  pass makes gradients ready. At construction that order is a guess (reverse registration order),
+  which a pre-norm Transformer layer breaks: it registers norm1 last but uses it first, so norm1's
+  gradient comes last. So, as PyTorch's DDP does (torch/nn/parallel/distributed.py: by default one
+  bucket for everything in the first iteration, `compute_bucket_size_limits`; buckets rebuilt in the order
+  gradients became ready before the second, `_rebuild_buckets`, with rank 0's order taken by every
+  rank, reducer.cpp's `sync_bucket_indices`), the first backward only records the order and keeps
+  its gradients (ZeRO-1's memory, once); at its end every rank takes rank 0's order (a broadcast),
+  the buckets are rebuilt in it (new flat buffers; the optimizer, which has no state yet, gets the new
+  shards) and reduce-scattered. From then on, gradients are copied into their bucket's flat gradient
+  as they arrive (`p.grad` becomes a view of it: DDP's gradient_as_bucket_view), and the
+  reduce-scatter reads that buffer: no flattened copy. The peak is then 4 Psi + 12 Psi / N plus the
+  flat gradient of the one bucket being filled or reduced (and, for the moment of a copy, the fresh
+  gradient autograd hands over); tests/test_zero.py measures it, and checks the rebuilt order against
+  torch's DDP on the same ranks.
 
-Traffic: the ZeRO paper (section 7.2.1) notes that an all-reduce *is* a reduce-scatter followed by an
-all-gather. DDP all-reduces gradients (2 Psi (N-1)/N per rank); ZeRO-1 and ZeRO-2 reduce-scatter
-gradients (Psi (N-1)/N) and all-gather parameters (Psi (N-1)/N): the same 2 Psi (N-1)/N, with Psi
-the padded size. All-reducing the gradients in ZeRO-1 and then all-gathering would cost 3 Psi; the
-full averaged gradient is not needed, only this rank's chunk of it. So in ZeRO-1, `p.grad` keeps
-the *local* (not averaged) gradient outside this rank's chunk: what distinguishes ZeRO-1 from
-ZeRO-2 is memory (the full gradient buffer kept alive), not traffic.
+Traffic: the ZeRO paper notes that an all-reduce *is* a reduce-scatter followed by an all-gather
+(section 7.1), and that P_os and P_os+g therefore add no communication (section 7.2.1). DDP
+all-reduces gradients (2 Psi (N-1)/N per rank); ZeRO-1 and ZeRO-2 reduce-scatter gradients
+(Psi (N-1)/N) and all-gather parameters (Psi (N-1)/N): the same 2 Psi (N-1)/N, with Psi the padded
+size (ZeRO-2 adds, once, the broadcast of rank 0's order). All-reducing the gradients in ZeRO-1 and
+then all-gathering would cost 3 Psi; the full averaged gradient is not needed, only this rank's
+chunk of it. So in ZeRO-1, `p.grad` keeps the *local* (not averaged) gradient outside this rank's
+chunk: what distinguishes ZeRO-1 from ZeRO-2 is memory (the full gradient buffer kept alive), not
+traffic.
 
 Memory per rank, fp32 AdamW (`memory.zero_formula`): ZeRO-1 4 Psi params + 4 Psi grads +
 8 Psi / N optimizer = 8 Psi + 8 Psi/N; ZeRO-2 4 Psi + 4 Psi/N + 8 Psi/N = 4 Psi + 12 Psi/N.
@@ -170,50 +181,118 @@ class ZeRO2(_ZeRO):
     def __init__(self, module: nn.Module, ctx: RankContext, optimizer_factory: OptimizerFactory,
                  *, bucket_numel: int = 4096) -> None:
         broadcast_module(module, ctx)
-        super().__init__(module, ctx, optimizer_factory, bucket_parameters(_trainable(module), bucket_numel))
-        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
-        self._waiting = [len(b.params) for b in self.buckets]  # gradients not ready yet, per bucket
-        self._next = 0  # buckets are reduced strictly in order, so every rank issues the same collectives
+        named = _trainable(module)
+        # the first guess of the order gradients become ready in: reverse registration order
+        super().__init__(module, ctx, optimizer_factory, bucket_parameters(list(reversed(named)), bucket_numel))
+        if len(self.optimizer.param_groups) != 1:
+            raise ValueError("ZeRO2 supports one param group: optimizer_factory must not split the shards")
+        self.bucket_numel = bucket_numel
+        self.rebuilt = False  # True once the buckets follow the order gradients became ready in
+        self._named = named
+        self._index = {id(p): i for i, (_, p) in enumerate(named)}
+        self._ready: list[int] = []  # indices into `named`, in the order their gradients became ready
         self._callback_queued = False
-        self._in_flight: torch.Tensor | None = None
-        for b in self.buckets:
-            for p in b.params:
-                p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+        self._init_bucket_state()
+        for _, p in named:
+            p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+
+    def _init_bucket_state(self) -> None:
+        self._bucket_of = {id(p): (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
+        self._grad_flats: list[torch.Tensor | None] = [None] * len(self.buckets)  # a bucket's gradient, if any
+        self._grad_views: list[list[torch.Tensor]] = [[] for _ in self.buckets]  # its views, `p.grad`
+        self._reset_backward()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._reset_backward()  # a backward that raised never finished: start afresh
+        if self._callback_queued:  # a backward that raised never finished: drop what it left
+            for b in self.buckets:
+                for p in b.params:
+                    p.grad = None
+            self._grad_flats = [None] * len(self.buckets)
+            self._grad_views = [[] for _ in self.buckets]
+            self._ready = []
+            self._reset_backward()
         return self.module(*args, **kwargs)
 
     def _reset_backward(self) -> None:
-        self._waiting = [len(b.params) for b in self.buckets]
-        self._next = 0
+        self._waiting = [len(b.params) for b in self.buckets]  # gradients not ready yet, per bucket
+        self._next = 0  # buckets are reduced strictly in order, so every rank issues the same collectives
         self._callback_queued = False
 
     def _on_gradient_ready(self, param: nn.Parameter) -> None:
         if not self._callback_queued:
             self._callback_queued = True
             queue_after_backward(self._finish_backward)
-        self._waiting[self._bucket_of[id(param)]] -= 1
+        if not self.rebuilt:  # the first backward learns the order and keeps the gradient
+            self._ready.append(self._index[id(param)])
+            return
+        i, j = self._bucket_of[id(param)]
+        self._into_bucket(i, j, param)
+        self._waiting[i] -= 1
         while self._next < len(self.buckets) and self._waiting[self._next] == 0:
             self._reduce_bucket(self._next)
             self._next += 1
 
+    def _into_bucket(self, i: int, j: int, param: nn.Parameter) -> None:
+        """Move `param`'s gradient into its place in bucket i's flat gradient; `param.grad` becomes a view of it.
+
+        The flat gradient is allocated when the bucket's first gradient arrives (zeros: the padding, and the
+        parameters that get no gradient). For the moment of the copy the gradient autograd produced is alive
+        beside its place, as when DDP adds it into its bucket view (gradient_as_bucket_view). A bucket that is
+        one parameter needing no padding needs no copy at all: the gradient autograd produced is the bucket.
+        """
+        layout = self.buckets[i].layout
+        grad = param.grad
+        if self._grad_flats[i] is None and len(layout.infos) == 1 and layout.padded_numel == param.numel() \
+                and grad is not None and grad.is_contiguous():
+            self._grad_flats[i], self._grad_views[i] = grad.view(-1), [grad]  # (padded_numel,) no copy
+            return
+        if self._grad_flats[i] is None:
+            flat = torch.zeros(layout.padded_numel, dtype=layout.dtype,
+                               device=param.device)  # (padded_numel,) bucket i's local gradient
+            self._grad_flats[i], self._grad_views[i] = flat, layout.unflatten(flat)
+        view = self._grad_views[i][j]
+        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view  # the tensor autograd allocated is freed here
+
     def _finish_backward(self) -> None:
-        """Buckets with a parameter that got no gradient this time are reduced now, with zeros."""
-        for i in range(self._next, len(self.buckets)):
+        """After the first backward: rebuild the buckets, reduce everything. Later: reduce what is left."""
+        if not self.rebuilt:
+            self._rebuild_buckets()
+            for i, b in enumerate(self.buckets):  # the first backward's gradients, in the new buckets
+                for j, p in enumerate(b.params):
+                    self._into_bucket(i, j, p)
+        for i in range(self._next, len(self.buckets)):  # buckets with a parameter that got no gradient: zeros
             self._reduce_bucket(i)
         self._reset_backward()
 
+    def _rebuild_buckets(self) -> None:
+        """Buckets in the order the first backward made gradients ready, as rank 0 saw it (DDP's rebuild)."""
+        if self.optimizer.state:
+            raise RuntimeError("ZeRO2 rebuilds its buckets at the end of the first backward, which must come "
+                               "before the first optimizer step")
+        seen = set(self._ready)
+        never = [i for i in reversed(range(len(self._named))) if i not in seen]  # no gradient: last, as guessed
+        order = torch.tensor(self._ready + never, dtype=torch.int64)  # (number of parameters,)
+        self.ctx.broadcast(order, src=0)  # every rank must cut the same buckets: rank 0's order
+        groups = bucket_parameters([self._named[i] for i in order.tolist()], self.bucket_numel)
+        self.buckets = [ShardedBucket(group, self.ctx) for group in groups]  # the parameters move into new flats
+        self.optimizer.param_groups[0]["params"] = [b.shard for b in self.buckets]  # no state yet: nothing lost
+        self.rebuilt = True
+        self._ready = []
+        self._init_bucket_state()
+
     def _reduce_bucket(self, i: int) -> None:
         b = self.buckets[i]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        self._in_flight = b.layout.flatten(grads)  # (padded_numel,) this bucket's local gradient
-        averaged = self.ctx.reduce_scatter(self._in_flight, op="mean")  # (padded // N,) my chunk
-        record_event(self, f"reduce_scatter {b.names[0]}")  # full gradients of the bucket still alive
+        flat = self._grad_flats[i]
+        if flat is None:  # no parameter of this bucket got a gradient on this rank
+            flat = self._grad_flats[i] = torch.zeros(b.layout.padded_numel, dtype=b.layout.dtype)
+        averaged = self.ctx.reduce_scatter(flat, op="mean")  # (padded // N,) my chunk, straight from the bucket
         b.shard.grad = averaged if b.shard.grad is None else b.shard.grad.add_(averaged)
-        self._in_flight = None
+        record_event(self, f"reduce_scatter {b.names[0]}")  # the bucket's gradient still alive, beside my chunk
         for p in b.params:
             p.grad = None  # the full gradient is gone: only my averaged chunk remains
+        self._grad_flats[i], self._grad_views[i] = None, []
 
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -222,18 +301,18 @@ class ZeRO2(_ZeRO):
                 p.grad = None
 
     def _grad_tensors(self) -> list[torch.Tensor]:
-        return super()._grad_tensors() + ([self._in_flight] if self._in_flight is not None else [])
+        return super()._grad_tensors() + [f for f in self._grad_flats if f is not None]
 
 
 def bucket_parameters(named: list[tuple[str, nn.Parameter]],
-                       bucket_numel: int) -> list[list[tuple[str, nn.Parameter]]]:
-    """Group parameters in reverse order (about the order backward produces gradients), one dtype per bucket.
+                      bucket_numel: int) -> list[list[tuple[str, nn.Parameter]]]:
+    """Group parameters into buckets in the given order (the order their gradients are expected), one dtype each.
 
     A bucket takes parameters until it holds `bucket_numel` elements; a larger parameter gets its own.
     """
     buckets: list[list[tuple[str, nn.Parameter]]] = []
     size = 0
-    for name, p in reversed(named):
+    for name, p in named:
         if not buckets or size + p.numel() > bucket_numel or buckets[-1][0][1].dtype != p.dtype:
             buckets.append([])
             size = 0

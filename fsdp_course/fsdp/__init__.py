@@ -5,6 +5,7 @@
   flat_param.py   the flat parameter: layout, shard, unsharded   _fsdp_param.py (FSDPParam, per parameter);
                   buffer and its views                           FSDP1's _flat_param.py (FlatParamHandle)
   common.py       TrainingState, ShardedState, placeholders      _fsdp_common.py
+  per_param.py    FSDP2's layout: per-parameter dim-0 shards     _fsdp_param.py, _fsdp_collectives.py
   state_dict.py   full and sharded checkpoints                   FSDP2: DTensor state dicts (DCP reads them)
   meta_init.py    initialization without the whole model         _fsdp_init.py, reset_parameters on meta
 

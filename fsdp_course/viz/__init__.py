@@ -6,16 +6,18 @@ Rank r always has the colour `rank_color(r)`; byte axes are in B / KiB / MiB / G
 
   plot_sharding         a unit's flat parameter, coloured by owning rank   (sharding.py; FSDP paper
                         arXiv:2304.11277 section 3.2.1)
+  plot_per_param_sharding  FSDP2's dim-0 shards, one bar per parameter, padding rows hatched
+                        (sharding.py; torch _fsdp_param.py)
   plot_memory_timeline  measured bytes per rank at each event of a step    (timeline.py)
   plot_memory_compare   the same, DDP vs FSDP side by side
-  plot_traffic          ledger bytes per collective per step vs 2Ψ(N-1)/N and 3Ψ(N-1)/N
+  plot_traffic          ledger bytes per collective per step vs 2Ψ(N-1)/N and 3Ψ(N-1)/N elements
                         (traffic.py; ZeRO arXiv:1910.02054 section 7)
   plot_zero_bars        DDP 16Ψ, ZeRO-1 8Ψ+8Ψ/N, ZeRO-2 4Ψ+12Ψ/N, ZeRO-3 16Ψ/N (fp32 Adam), measured
                         bars beside them   (zero_bars.py; ZeRO arXiv:1910.02054 section 5.1)
 The interactive calculator lives in `fsdp_course.viz.widgets` (it needs ipywidgets).
 """
 
-from fsdp_course.viz.sharding import plot_sharding
+from fsdp_course.viz.sharding import plot_per_param_sharding, plot_sharding
 from fsdp_course.viz.style import (
     CATEGORY_COLORS,
     RANK_COLORS,
@@ -29,6 +31,7 @@ from fsdp_course.viz.traffic import plot_traffic, traffic_formula
 from fsdp_course.viz.zero_bars import plot_zero_bars, stage_index, zero_bytes, zero_formula_text
 
 __all__ = [
+    "plot_per_param_sharding",
     "CATEGORY_COLORS",
     "RANK_COLORS",
     "STAGES",

@@ -1,9 +1,13 @@
-"""The sharding map: a unit's flat parameter as a bar, coloured by the rank that owns each element.
+"""The sharding maps: which rank owns which part of a unit's parameters, in the two layouts FSDP has used.
 
-What it draws is the FlatParameter of the PyTorch FSDP paper (arXiv:2304.11277, section 3.2.1) as
-`flat_param.py` builds it: the parameters end to end, padded with zeros to a multiple of the world
+`plot_sharding` draws the FlatParameter of the PyTorch FSDP paper (arXiv:2304.11277, section 3.2.1) and of
+FSDP1, as `flat_param.py` builds it: the parameters end to end, padded with zeros to a multiple of the world
 size N, cut into N equal shards (ZeRO's partitioning, arXiv:1910.02054, section 5). The original
 parameters' boundaries and names are marked; the padding is hatched.
+
+`plot_per_param_sharding` draws FSDP2's layout (`fully_shard`, torch/distributed/fsdp/_fully_shard/
+_fsdp_param.py), as `per_param.py` computes it: one bar per parameter, cut on dim 0 into N chunks of
+ceil(dim0 / N) rows; the rows a rank pads its chunk with are hatched, so the padding shows per parameter.
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from matplotlib.figure import Figure
 
 from fsdp_course.fsdp.flat_param import padded_numel
+from fsdp_course.fsdp.per_param import DimZeroShard
 from fsdp_course.viz.style import format_bytes, new_figure, rank_color
 
 
@@ -134,6 +140,82 @@ def plot_sharding(flat: Any, numels: Sequence[int] | None = None, world_size: in
                   f"{n} shards x {shard} ({format_bytes(shard * element_size)} per rank)")
     unit = getattr(flat, "label", None) if isinstance(getattr(flat, "label", None), str) else None
     ax.set_title(title or f"Flat parameter{f' of unit {unit!r}' if unit else ''}: {len(entries)} parameters"
+                 f"{f' {common}*' if common else ''}, {n} ranks", fontsize=10)
+    fig.legend(loc="outside right upper", fontsize=8)
+    return fig
+
+
+def _per_param_specs(layout: Any, shapes: Sequence[Sequence[int]] | None,
+                     world_size: int | None) -> tuple[list[DimZeroShard], int]:
+    """DimZeroShard entries and the world size, from a PerParamLayout (anything with `.specs`) or plain data."""
+    if hasattr(layout, "specs"):
+        specs = list(layout.specs)
+        return specs, int(specs[0].world_size) if specs else int(getattr(layout, "world_size", 1))
+    names = list(layout)
+    if world_size is None:
+        raise ValueError("plain data needs world_size: plot_per_param_sharding(names, shapes, world_size)")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if shapes is None or len(shapes) != len(names):
+        raise ValueError(f"need one shape per name: {len(names)} names, "
+                         f"{'no' if shapes is None else len(shapes)} shapes")
+    specs = []
+    for name, shape in zip(names, shapes, strict=True):
+        if len(shape) == 0 or shape[0] < 1:
+            raise ValueError(f"parameter {name!r} of shape {tuple(shape)} has no rows on dim 0 to shard")
+        specs.append(DimZeroShard(str(name), torch.Size(shape), world_size))
+    return specs, world_size
+
+
+def plot_per_param_sharding(layout: Any, shapes: Sequence[Sequence[int]] | None = None,
+                            world_size: int | None = None, *, title: str | None = None,
+                            element_size: int | None = None) -> Figure:
+    """Per-parameter sharding (FSDP2): one bar per parameter, its dim 0 cut into N chunks of ceil(dim0 / N) rows.
+
+    Each bar is scaled to its own padded dim 0 (N * ceil(dim0 / N) rows), so that small parameters stay visible;
+    the rows written in each rank's segment are the parameter's rows that rank holds, and the hatched part is the
+    zero rows it pads its chunk with. `layout`: a PerParamLayout (anything with `.specs` of DimZeroShard), or plain
+    data: `plot_per_param_sharding(names, shapes, world_size)`.
+    """
+    specs, n = _per_param_specs(layout, shapes, world_size)
+    if not specs:
+        raise ValueError("no parameters: nothing to draw")
+    if element_size is None:
+        element_size = getattr(getattr(layout, "dtype", None), "itemsize", 4)
+    fig, axes = new_figure(size=(10, 0.42 * len(specs) + 1.4))
+    ax = axes[0, 0]
+    padding_labelled = False
+    for y, spec in enumerate(specs):
+        for r in range(n):
+            real = spec.local_rows(r) / spec.rows  # the share of rank r's chunk that holds real rows
+            ax.barh(y, real / n, left=r / n, height=0.8, color=rank_color(r), edgecolor="white",
+                    gid=f"rank{r}:{spec.name}", label=f"rank {r}" if y == 0 else None)
+            if real < 1:
+                ax.barh(y, (1 - real) / n, left=(r + real) / n, height=0.8, color="none", edgecolor="black",
+                        hatch="///", linewidth=0.6, gid=f"padding:{spec.name}",
+                        label=None if padding_labelled else "padding")
+                padding_labelled = True
+            start, end = spec.row_range(r)
+            if n <= 8 and end > start:
+                ax.text((r + real / 2) / n, y, f"[{start}, {end})", ha="center", va="center", fontsize=7,
+                        color="white")
+    common = _dotted_prefix([spec.name for spec in specs])
+    ax.set_yticks(range(len(specs)), [f"{spec.name[len(common):]} {tuple(spec.shape)}" for spec in specs],
+                  fontsize=7)
+    sizes = ax.secondary_yaxis("right")  # what each rank holds of each parameter, and its padding
+    sizes.set_yticks(range(len(specs)), [f"{tuple(spec.padded_shape)} per rank"
+                                         f"{f', pad {spec.padding}' if spec.padding else ''}" for spec in specs],
+                     fontsize=7)
+    sizes.tick_params(length=0)
+    ax.set_ylim(len(specs) - 0.5, -0.5)  # the first parameter on top
+    ax.set_xlim(0, 1)
+    ax.set_xticks([r / n for r in range(n + 1)], [f"{r}/{n}" for r in range(n + 1)], fontsize=7)
+    per_rank = sum(spec.padded_numel for spec in specs)
+    padding = sum(spec.padding for spec in specs)
+    numel = sum(spec.numel for spec in specs)
+    ax.set_xlabel(f"dim 0 of each parameter, padded to {n} x ceil(dim0 / {n}) rows: {numel} elements + {padding} "
+                  f"padding = {n} ranks x {per_rank} ({format_bytes(per_rank * element_size)} per rank)")
+    ax.set_title(title or f"Per-parameter shards on dim 0 (FSDP2): {len(specs)} parameters"
                  f"{f' {common}*' if common else ''}, {n} ranks", fontsize=10)
     fig.legend(loc="outside right upper", fontsize=8)
     return fig
