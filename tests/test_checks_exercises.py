@@ -341,8 +341,8 @@ def test_checkpoint_loaded_by_torchrun_processes(capsys: pytest.CaptureFixture[s
     assert "NameError: name 'CKPT' is not defined" in out
 
 
-# -- 09 pitfalls ---------------------------------------------------------------------------------------
-PIT = load("09_pitfalls")
+# -- 10 distributed pitfalls ---------------------------------------------------------------------------
+PIT = load("10_distributed_pitfalls")
 
 
 def clips_by_own_norm(ctx: RankContext, shards: list[torch.Tensor], max_norm: float) -> torch.Tensor:

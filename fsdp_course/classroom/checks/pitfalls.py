@@ -1,4 +1,4 @@
-"""Checkers of exercise 09: gradient clipping by the global norm, and a data-parallel step debugged.
+"""Checkers of exercise 10: gradient clipping by the global norm, and a data-parallel step debugged.
 
 Clipping. `torch.nn.utils.clip_grad_norm_` scales all gradients by max_norm / ||g|| when the
 norm of *all* gradients together exceeds max_norm. With sharded gradients each rank holds a piece
