@@ -1,4 +1,4 @@
-"""The checkers of exercises 02 to 09 pass the reference solutions and fail planted mistakes with the right hint.
+"""The checkers of exercises 02 to 10 pass the reference solutions and fail planted mistakes with the right hint.
 
 Each planted mistake is the reference with one thing wrong, the way a learner would get it wrong; the test asserts
 the checker's report names it (the hint) and that the stub's NotImplementedError comes out as one short message.

@@ -12,7 +12,7 @@ or prints exactly what failed (world size, rank, step, tensor, difference) with 
     05 flat_param    check_flat_param
     06 fsdp          check_fsdp_unit
     08 transformer   check_sharded_checkpoint (sharded checkpoint, loaded back under torchrun)
-    09 pitfalls      check_clip_grad_norm, check_train_step
+    10 distributed pitfalls   check_clip_grad_norm, check_train_step
 """
 
 from fsdp_course.classroom.checks._common import CheckFailure, call_learner, compare_tensor, format_tensor, run_checked
