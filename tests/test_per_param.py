@@ -100,7 +100,8 @@ def test_local_chunks_and_gathered_parameters_match_fully_shard():
         [str(torchrun), "--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
          __file__], capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    found = dict(re.findall(r"RESULT rank=(\d) (\{.*\})", proc.stdout))
+    # three processes share one stdout: a line may land right after another's without its newline
+    found = dict(re.findall(r"RESULT rank=(\d) (\{[^{}]*\})", proc.stdout))
     assert sorted(found) == ["0", "1", "2"], proc.stdout
     for rank, text in found.items():
         result = ast.literal_eval(text)
@@ -171,7 +172,8 @@ def test_bad_input():
 if __name__ == "__main__":  # one process of the torchrun world started by test_local_chunks_..._match_fully_shard
     rank_ctx = RankContext.from_env(timeout=60)
     try:
-        print(f"RESULT rank={rank_ctx.rank} {compare_with_fully_shard(rank_ctx)}", flush=True)
+        sys.stdout.write(f"RESULT rank={rank_ctx.rank} {compare_with_fully_shard(rank_ctx)}\n")  # one write per line
+        sys.stdout.flush()
         rank_ctx.barrier()  # leave together
     finally:
         rank_ctx.close()
