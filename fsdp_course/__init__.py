@@ -12,6 +12,8 @@ from fsdp_course.engines.ddp import DDP
 from fsdp_course.engines.zero import ZeRO1, ZeRO2
 from fsdp_course.fsdp.api import FSDP, ShardedState, TrainingState
 from fsdp_course.fsdp.flat_param import FlatParamLayout, shard_parameters
+from fsdp_course.fsdp.grad_scaler import ShardedGradScaler
+from fsdp_course.fsdp.policy import MixedPrecision
 from fsdp_course.memory import measure, zero_formula
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.ledger import Ledger, Record
@@ -25,10 +27,12 @@ __all__ = [
     "CollectiveMismatch",
     "FlatParamLayout",
     "Ledger",
+    "MixedPrecision",
     "PeerFailed",
     "RankContext",
     "RankError",
     "Record",
+    "ShardedGradScaler",
     "ShardedState",
     "TrainingState",
     "ZeRO1",

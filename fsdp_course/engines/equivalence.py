@@ -53,7 +53,8 @@ from fsdp_course.runtime.simulate import run_ranks
 from fsdp_course.sampler import rank_slice
 
 __all__ = [
-    "ADAMW", "SGD", "Batch", "Case", "FSDPTrainee", "MakeTrainee", "ModuleTrainee", "OptimizerFactory", "Pieces",
+    "ADAMW", "SGD", "Batch", "Case", "FSDPTrainee", "MakeTrainee", "MixedPrecisionReference",
+    "ModuleTrainee", "OptimizerFactory", "Pieces",
     "Result", "ShardedTrainee", "StepRecord", "Trace", "Trainee", "check_equivalence", "close", "compare",
     "digits_batches", "full_pieces", "full_tensor", "global_batches", "local_grads", "local_slice", "max_rel_diff",
     "reference_run", "reference_steps", "run_engine", "run_reference", "seeded_mlp", "shard_pieces", "train",
@@ -422,6 +423,27 @@ def compare(reference: Trace, traces: Sequence[Trace], *, params: ParamCheck, to
                                      f"{err:.2e} > {tol:g}; largest on {blame[0]!r} (rank {blame[1]}, norm "
                                      f"{blame[2]:.2e})")
     return errors
+
+
+class MixedPrecisionReference(nn.Module):
+    """One process under a mixed-precision policy, the reference for FSDP's `mp_policy`: the parameters stay in
+    their dtype (fp32, the master copy the optimizer steps), each forward computes with copies cast to
+    `param_dtype` and with floating inputs cast too. Autograd casts the gradient back through the copy, so `.grad`
+    holds the `param_dtype` gradient in fp32, as FSDP's shard does (whatever its reduce dtype: one process reduces
+    nothing). `state_dict()` and `named_parameters()` are the wrapped module's."""
+
+    def __init__(self, module: nn.Module, param_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module = module
+        self.param_dtype = param_dtype
+
+    def forward(self, *args: Any) -> Tensor:
+        cast = {n: p.to(self.param_dtype) for n, p in self.module.named_parameters()}
+        args = tuple(a.to(self.param_dtype) if a.is_floating_point() else a for a in args)
+        return torch.func.functional_call(self.module, cast, args, tie_weights=True)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # the wrapped module's names, no "module."
+        return self.module.named_parameters(*args, **kwargs)
 
 
 # -- cases -----------------------------------------------------------------------------------------

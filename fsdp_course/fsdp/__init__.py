@@ -5,6 +5,8 @@
   flat_param.py   the flat parameter: layout, shard, unsharded   _fsdp_param.py (FSDPParam, per parameter);
                   buffer and its views                           FSDP1's _flat_param.py (FlatParamHandle)
   common.py       TrainingState, ShardedState, placeholders      _fsdp_common.py
+  policy.py       MixedPrecision                                 _fsdp_api.py (MixedPrecisionPolicy)
+  grad_scaler.py  fp16 loss scaling, global found-inf check      torch/distributed/fsdp/sharded_grad_scaler.py
   per_param.py    FSDP2's layout: per-parameter dim-0 shards     _fsdp_param.py, _fsdp_collectives.py
   state_dict.py   full and sharded checkpoints                   FSDP2: DTensor state dicts (DCP reads them)
   meta_init.py    initialization without the whole model         _fsdp_init.py, reset_parameters on meta
@@ -27,7 +29,10 @@ Glossary (after FSDP2's "[Note: FSDP tensors]" in _fsdp_param.py, which names th
 from fsdp_course.fsdp.api import FSDP
 from fsdp_course.fsdp.common import ShardedState, TrainingState
 from fsdp_course.fsdp.flat_param import FlatParamHandle, FlatParamLayout, flatten_params, padded_numel, shard_parameters
-from fsdp_course.fsdp.param_group import FSDPUnit
+from fsdp_course.fsdp.grad_scaler import ShardedGradScaler
+from fsdp_course.fsdp.param_group import CommContext, FSDPUnit, Span
+from fsdp_course.fsdp.policy import MixedPrecision
 
-__all__ = ["FSDP", "FSDPUnit", "FlatParamHandle", "FlatParamLayout", "ShardedState", "TrainingState",
-           "flatten_params", "padded_numel", "shard_parameters"]
+__all__ = ["FSDP", "CommContext", "FSDPUnit", "FlatParamHandle", "FlatParamLayout", "MixedPrecision",
+           "ShardedGradScaler", "ShardedState", "Span", "TrainingState", "flatten_params", "padded_numel",
+           "shard_parameters"]

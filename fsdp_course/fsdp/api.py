@@ -47,11 +47,12 @@ from torch import nn
 from fsdp_course.fsdp import state_dict as fsdp_state_dict
 from fsdp_course.fsdp.common import ShardedState, TrainingState, sharded_away
 from fsdp_course.fsdp.flat_param import FlatParamHandle, FlatParamLayout, check_same_dtype
-from fsdp_course.fsdp.param_group import FSDPUnit
+from fsdp_course.fsdp.param_group import CommContext, FSDPUnit, Span
+from fsdp_course.fsdp.policy import MixedPrecision, cast_floating
 from fsdp_course.hooks import queue_after_backward, register_grad_hooks
 from fsdp_course.memory import record_event
 
-__all__ = ["FSDP", "ShardedState", "TrainingState"]
+__all__ = ["FSDP", "MixedPrecision", "ShardedState", "TrainingState"]
 
 STALE_OPTIMIZER = (
     "this optimizer was built before FSDP wrapped the model: its parameters are the original "
@@ -76,6 +77,18 @@ class FSDP(nn.Module):
     the root finishes forward last and starts backward first, so it stays gathered in between, which saves
     one all-gather of the root per step (train.py uses this).
 
+    `mp_policy=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`: fp32 shards (the master
+    copy the optimizer steps), all-gather and compute in bf16, gradients reduce-scattered in fp32 (policy.py).
+
+    `prefetch=k` (default 0): each unit's hook issues the all-gathers of the next k units without waiting for them
+    (async), so they run while this unit computes: in forward in the order the previous forward used the units
+    (the first forward has none to follow), in backward in the reverse of this step's forward order; and each
+    reduce-scatter runs on while autograd computes the next unit's gradients, waited for when the next one is issued
+    and at the end of backward. The price: k more units gathered (FSDP2's `set_modules_to_forward_prefetch` /
+    `set_modules_to_backward_prefetch`, and its implicit backward prefetch of one unit). It assumes every step uses
+    the units in the same order. `fsdp.trace` holds the last step's compute spans (`Span`); with the ledger's times
+    of every collective they draw the overlap.
+
     Activation checkpointing (`torch.utils.checkpoint`, non-reentrant) works inside and around wrapped
     modules; frozen parameters (`requires_grad=False`) get their own flat parameter per unit, freed when the
     unit's backward is over; a backward that raised is forgotten at the next forward.
@@ -83,8 +96,14 @@ class FSDP(nn.Module):
 
     def __init__(self, module: nn.Module, ctx: Any, *, wrap: set[type[nn.Module]] | None = None,
                  init: Callable[[nn.Module], Iterable[tuple[str, dict[str, torch.Tensor]]]] | None = None,
-                 reshard_after_forward: bool = True, reshard_root_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True, reshard_root_after_forward: bool = True,
+                 mp_policy: MixedPrecision | None = None, prefetch: int = 0) -> None:
         super().__init__()
+        if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
+            raise TypeError(f"mp_policy must be a fsdp_course.MixedPrecision, e.g. MixedPrecision(param_dtype="
+                            f"torch.bfloat16, reduce_dtype=torch.float32), got {type(mp_policy).__name__}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be the number of units to gather ahead (0, 1, 2 ...), got {prefetch!r}")
         on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
         if on_meta and init is None:
             raise ValueError("a module on the meta device has no values: pass init=, e.g. "
@@ -94,6 +113,12 @@ class FSDP(nn.Module):
         self.ctx = ctx
         self.timeline: list[tuple[str, dict[str, int]]] = []
         self.memory_recorder = None
+        self.mp_policy = mp_policy or MixedPrecision()
+        self.prefetch = prefetch
+        self.comm = CommContext(reduce_in_flight=1 if prefetch else 0)
+        self.trace: list[Span] = []  # the last step's compute spans, per unit and pass
+        self._forward_order: list[FSDPUnit] = []  # this step's units, in the order their forward began
+        self._last_forward_order: list[FSDPUnit] = []
         self._callback_queued = False
         self.state_dict_keys = list(module.state_dict().keys())  # what full_state_dict() returns
         wrap_types = (wrap,) if isinstance(wrap, type) else tuple(wrap or ())
@@ -106,7 +131,8 @@ class FSDP(nn.Module):
                 handles = self._build_handles(unit_name, uses)
                 self.units.append(FSDPUnit(unit_name, unit_module, handles, ctx,
                                            reshard_after_forward=reshard_after_forward,
-                                           on_event=lambda what: record_event(self, what)))
+                                           on_event=lambda what: record_event(self, what),
+                                           mp_policy=self.mp_policy, comm=self.comm, on_span=self.trace.append))
             _warn_unused_wrap(module, wrap_types, self.units)
             if template is not None:
                 self._fill_from_pieces(init(template))  # type: ignore[misc]  (init checked above)
@@ -123,6 +149,10 @@ class FSDP(nn.Module):
                 unit.module.register_forward_pre_hook(
                     lambda m, args, kwargs, u=unit: self._pre_forward(u, args, kwargs), with_kwargs=True)
                 unit.module.register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        return self.mp_policy.param_dtype
 
     def _build_handles(self, unit_name: str, uses: list[ParamUse]) -> list[FlatParamHandle]:
         check_same_dtype([(u.name, u.param) for u in uses], f"FSDP unit '{unit_name or 'root'}'")
@@ -148,7 +178,8 @@ class FSDP(nn.Module):
             for p in unique:  # free the originals; a stale optimizer trips over them
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 self._originals.append(p)
-            handles.append(FlatParamHandle(layout, shard, locations))
+            handles.append(FlatParamHandle(layout, shard, locations,
+                                           compute_dtype=self.mp_policy.gather_dtype(layout.dtype)))
         return handles
 
     def _fill_from_pieces(self, pieces: Iterable[tuple[str, dict[str, torch.Tensor]]]) -> None:
@@ -182,28 +213,53 @@ class FSDP(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._callback_queued or any(u.training_state is not TrainingState.IDLE for u in self.units):
             self._forget_failed_backward()
+        if self._forward_order:  # a new step: the order the last one used the units guides forward prefetch
+            self._last_forward_order, self._forward_order = self._forward_order, []
+            self.trace.clear()
+        if self.mp_policy.cast_forward_inputs:
+            args, kwargs = cast_floating(self.mp_policy.param_dtype, (args, kwargs))
         if self.root_unit is not None:
             args, kwargs = self._pre_forward(self.root_unit, args, kwargs)
         out = self.module(*args, **kwargs)
         if self.root_unit is not None:
-            self._post_forward(self.root_unit, out)
+            out = self._post_forward(self.root_unit, out)
         else:  # no root unit: the final callback is queued by the first gradient that arrives
             register_grad_hooks(out, self._root_pre_backward)
         return out
 
     def _pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        recomputing = unit.recomputing
         unit.pre_forward()
+        if not recomputing:
+            if unit not in self._forward_order:
+                self._forward_order.append(unit)
+            self._prefetch_after(unit, self._last_forward_order, "forward")
+        if self.mp_policy.cast_forward_inputs:
+            args, kwargs = cast_floating(self.mp_policy.param_dtype, (args, kwargs))
         return unit.register_post_backward(args, kwargs)
 
-    def _post_forward(self, unit: FSDPUnit, out: Any) -> None:
+    def _post_forward(self, unit: FSDPUnit, out: Any) -> Any:
         recomputing = unit.recomputing
         unit.post_forward()
-        if torch.is_grad_enabled() and not recomputing:
+        if recomputing:
+            return out
+        out = cast_floating(self.mp_policy.output_dtype, out)
+        if torch.is_grad_enabled():
             register_grad_hooks(out, lambda: self._pre_backward(unit))
+        return out
 
     def _pre_backward(self, unit: FSDPUnit) -> None:
         self._root_pre_backward()
         unit.pre_backward()
+        self._prefetch_after(unit, self._forward_order[::-1], "backward")
+
+    def _prefetch_after(self, unit: FSDPUnit, order: list[FSDPUnit], phase: str) -> None:
+        """Issue the all-gathers of the `self.prefetch` units that follow `unit` in `order` (async)."""
+        if not self.prefetch or unit not in order:
+            return
+        i = order.index(unit)
+        for following in order[i + 1 : i + 1 + self.prefetch]:
+            following.prefetch(phase)
 
     def _root_pre_backward(self) -> None:
         if not self._callback_queued:  # runs once, after the whole backward pass
@@ -214,6 +270,7 @@ class FSDP(nn.Module):
         """End of a backward (autograd's final callback): every unit reduces what is left and reshards."""
         for unit in self.units:
             unit.finalize_backward()
+        self.comm.wait_reduces()
         self._callback_queued = False
         self._trip_stale_optimizers()  # again: the stale optimizer's zero_grad() may have cleared them
         record_event(self, "backward done")
@@ -221,6 +278,7 @@ class FSDP(nn.Module):
     def _forget_failed_backward(self) -> None:
         """A backward raised before its final callback: free what it gathered, drop partial unsharded gradients
         (the sharded `.grad` keep what was reduced, as one process keeps the gradients computed before a raise)."""
+        self.comm.wait_reduces()
         for unit in self.units:
             unit.reset()
         self._callback_queued = False
@@ -294,7 +352,8 @@ class FSDP(nn.Module):
         return {
             "sharded_params": [h.shard for h in handles],
             "gathered_params": [h.unsharded for h in handles],
-            "grads": [h.unsharded.grad for h in handles if h.unsharded.grad is not None],
+            "grads": [*(h.unsharded.grad for h in handles if h.unsharded.grad is not None),
+                      *(h.accumulated for h in handles if h.accumulated is not None), *self.comm.in_flight()],
             "sharded_grads": [h.shard.grad for h in handles if h.shard.grad is not None],
             "buffers": list(self.module.buffers()),
         }

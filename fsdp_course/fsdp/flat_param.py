@@ -213,21 +213,29 @@ class FlatParamHandle:
     """
 
     def __init__(self, layout: FlatParamLayout, shard: nn.Parameter,
-                 locations: list[list[tuple[nn.Module, str]]]) -> None:
+                 locations: list[list[tuple[nn.Module, str]]], compute_dtype: torch.dtype | None = None) -> None:
         self.layout = layout
         self.shard = shard  # (padded_numel // world_size,) the local shard, an nn.Parameter the optimizer steps
         self.requires_grad = shard.requires_grad
-        self.unsharded = torch.empty(layout.padded_numel, dtype=layout.dtype, device=shard.device)
+        # mixed precision: the unsharded buffer, its views and its gradient are in compute_dtype, the shard is not
+        self.compute_dtype = compute_dtype or layout.dtype
+        self.accumulated: torch.Tensor | None = None  # unreduced gradient kept in reduce_dtype (no_sync + mp)
+        self.unsharded = torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=shard.device)
         self.unsharded.untyped_storage().resize_(0)  # (padded_numel,) no storage while sharded
         self.unsharded.requires_grad_(self.requires_grad)
         self.locations = locations  # per parameter: every (module, attribute) that names it (tied weights)
         self.placeholders = [
-            sharded_away(info.shape, layout.dtype,
+            sharded_away(info.shape, self.compute_dtype,
                          f"'{info.name}' is sharded by FSDP: outside its unit's forward/backward only "
                          "the local shard exists. Read full values with fsdp.full_state_dict() "
                          "(on every rank) or inside forward.")
             for info in layout.infos
         ]
+
+    def all_gather_input(self) -> torch.Tensor:
+        """What this rank contributes to the all-gather: its shard, cast to the compute dtype (mixed precision)."""
+        shard = self.shard.detach()
+        return shard if shard.dtype == self.compute_dtype else shard.to(self.compute_dtype)
 
     @property
     def is_unsharded(self) -> bool:

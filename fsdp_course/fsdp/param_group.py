@@ -28,7 +28,10 @@ the gather pre_backward made, and nothing is resharded in the middle of the unit
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,8 +40,46 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_course.fsdp.common import RegisterPostBackward, ShardedState, TrainingState
 from fsdp_course.fsdp.flat_param import FlatParamHandle
+from fsdp_course.fsdp.policy import MixedPrecision
 
-__all__ = ["FSDPUnit"]
+__all__ = ["CommContext", "FSDPUnit", "Span"]
+
+
+@dataclass(frozen=True)
+class Span:
+    """One unit's compute in one pass, in time.perf_counter() seconds: from the end of its pre-forward (pre-backward)
+    hook to the start of its post-forward hook (to its gradient being ready). With the ledger's records, which carry
+    the start and end of every collective, it draws the overlap of communication and compute."""
+
+    unit: str
+    phase: str  # "forward" | "backward"
+    start: float
+    end: float
+
+
+class CommContext:
+    """What the units of one FSDP share: the reduce-scatters in flight (FSDP2's `FSDPCommContext`).
+
+    `reduce_in_flight=0` waits for each reduce-scatter at once; 1 leaves it running while autograd computes the next
+    unit's gradients, and waits for it when the next one is issued or when the backward ends."""
+
+    def __init__(self, reduce_in_flight: int = 0) -> None:
+        self.reduce_in_flight = reduce_in_flight
+        self._reduces: deque[tuple[Callable[[], None], torch.Tensor]] = deque()
+
+    def reduce_issued(self, finish: Callable[[], None], grad: torch.Tensor) -> None:
+        """A reduce-scatter of `grad` was issued; `finish()` waits for it and adds the result to the shard's .grad."""
+        self._reduces.append((finish, grad))
+        while len(self._reduces) > self.reduce_in_flight:
+            self._reduces.popleft()[0]()
+
+    def wait_reduces(self) -> None:
+        while self._reduces:
+            self._reduces.popleft()[0]()
+
+    def in_flight(self) -> list[torch.Tensor]:
+        """The unsharded gradients whose reduce-scatter has not been waited for: still alive (memory)."""
+        return [grad for _, grad in self._reduces]
 
 
 class FSDPUnit:
@@ -48,7 +89,9 @@ class FSDPUnit:
     """
 
     def __init__(self, name: str, module: nn.Module, handles: list[FlatParamHandle], ctx: Any, *,
-                 reshard_after_forward: bool = True, on_event: Callable[[str], None] | None = None) -> None:
+                 reshard_after_forward: bool = True, on_event: Callable[[str], None] | None = None,
+                 mp_policy: MixedPrecision | None = None, comm: CommContext | None = None,
+                 on_span: Callable[[Span], None] | None = None) -> None:
         self.name = name  # module path, "" for the root
         self.label = name or "root"
         self.module = module
@@ -59,6 +102,11 @@ class FSDPUnit:
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self._on_event = on_event
+        self._on_span = on_span
+        self.mp_policy = mp_policy or MixedPrecision()
+        self.comm = comm or CommContext()
+        self._pending: list[Any] = []  # all-gathers issued with async_op=True (a prefetch), not waited for yet
+        self._compute_start: float | None = None
         self._reduced: set[int] = set()  # indices of the handles reduced in this backward
         for i, h in enumerate(handles):
             h.set_attributes(h.placeholders)
@@ -66,29 +114,54 @@ class FSDPUnit:
                 h.unsharded.register_post_accumulate_grad_hook(lambda t, i=i: self.post_backward(i))
 
     # -- the two primitives ---------------------------------------------------------------------
-    def unshard(self) -> None:
-        """All-gather every flat parameter that is not gathered yet."""
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gather every flat parameter that is not gathered yet (in the compute dtype: mixed precision).
+
+        `async_op=True` (a prefetch) only issues the all-gathers: the buffers are allocated now, and the next
+        `unshard()` waits for them. Without it, returns once every flat parameter is gathered."""
         gathered = False
         for h in self.handles:
             if not h.is_unsharded:
-                self.ctx.all_gather(h.shard.detach(), out=h.alloc())  # (padded_numel,)
+                work = self.ctx.all_gather(h.all_gather_input(), out=h.alloc(), async_op=async_op)  # (padded_numel,)
+                if async_op:
+                    self._pending.append(work)
                 gathered = True
+        if not async_op:
+            self.wait_for_unshard()
         self.sharded_state = ShardedState.UNSHARDED
         if gathered:
             self._event("unshard")
 
+    def prefetch(self, phase: str) -> None:
+        """Issue this unit's all-gather now, without waiting (another unit's hook calls it, `phase` names the pass)."""
+        if self.sharded_state is ShardedState.SHARDED and not self._pending:
+            self.unshard(async_op=True)
+            self._event("prefetch", phase)
+
+    def wait_for_unshard(self) -> None:
+        for work in self._pending:
+            work.wait()
+        self._pending.clear()
+
     def reshard(self, handles: list[FlatParamHandle] | None = None) -> None:
         """Free the given flat parameters (default: all); the module's attributes become placeholders."""
+        self.wait_for_unshard()  # never free a buffer an all-gather still writes into
         for h in self.handles if handles is None else handles:
             h.free()
         if not any(h.is_unsharded for h in self.handles):
             self.sharded_state = ShardedState.SHARDED
         self._event("reshard")
 
-    def _event(self, what: str) -> None:
+    def _event(self, what: str, phase: str | None = None) -> None:
         """A point on the memory timeline, e.g. "pre_backward: unshard layers.0"."""
         if self._on_event is not None:
-            self._on_event(f"{self.training_state.name.lower()}: {what} {self.label}")
+            self._on_event(f"{phase or self.training_state.name.lower()}: {what} {self.label}")
+
+    def _span(self, phase: str) -> None:
+        """The unit's compute in `phase` ends now (it started when its pre-hook returned)."""
+        if self._compute_start is not None and self._on_span is not None:
+            self._on_span(Span(self.label, phase, self._compute_start, time.perf_counter()))
+        self._compute_start = None
 
     # -- forward --------------------------------------------------------------------------------
     @property
@@ -102,10 +175,13 @@ class FSDPUnit:
         self.unshard()  # when recomputing: a no-op, unless a post_backward has already freed a flat parameter
         for h in self.handles:  # fresh views each forward: their grad_fn leads to h.unsharded's .grad
             h.use_unsharded_views()
+        if not self.recomputing:
+            self._compute_start = time.perf_counter()
 
     def post_forward(self) -> None:
         if self.recomputing:
             return
+        self._span("forward")
         if self.reshard_after_forward or not torch.is_grad_enabled():
             self.reshard()
         # else: stay gathered for backward, which needs the unit next (FSDP2 does so for its root unit:
@@ -133,39 +209,71 @@ class FSDPUnit:
         for h in self.handles:
             if h.is_unsharded:
                 h.use_unsharded_views()
+        self._compute_start = time.perf_counter()
 
     def post_backward(self, index: int) -> None:
         """Flat parameter `index` has its whole gradient in `.unsharded.grad`: reduce-scatter it, then free it."""
         h = self.handles[index]
+        self._span("backward")
         self.training_state = TrainingState.POST_BACKWARD
         self._event("grads ready")
         if self.reduce_grads:
             self.reduce_grad(index)
+        else:
+            self._keep_unreduced(h)
         self.reshard([h])
+
+    def _keep_unreduced(self, h: FlatParamHandle) -> None:
+        """No reduction this backward: with a reduce dtype wider than the compute dtype, the gradient accumulates in
+        the reduce dtype (as FSDP2 does), else it stays in `.unsharded.grad`, where autograd adds the next one."""
+        grad, reduce_dtype = h.unsharded.grad, self.mp_policy.grad_reduce_dtype(h.layout.dtype)
+        if grad is None or grad.dtype == reduce_dtype:
+            return
+        h.accumulated = grad.to(reduce_dtype) if h.accumulated is None else h.accumulated.add_(grad)
+        h.unsharded.grad = None
 
     def _inputs_grad_ready(self) -> None:
         """The unit's backward is over: the frozen flat parameter (no gradient hook of its own) is freed too."""
+        self._span("backward")
         frozen = [h for h in self.handles if not h.requires_grad and h.is_unsharded]
         if frozen:
             self.reshard(frozen)
 
     def reduce_grad(self, index: int) -> None:
-        """Mean over ranks of the unsharded gradient, keeping this rank's chunk (accumulates)."""
+        """Mean over ranks of the unsharded gradient (in the reduce dtype), keeping this rank's chunk, added to the
+        shard's `.grad` in the shard's dtype. With `comm.reduce_in_flight` > 0 the reduce-scatter runs on while
+        backward goes on, and the addition happens when it is waited for."""
         h = self.handles[index]
-        grad = h.unsharded.grad
+        grad, reduce_dtype = h.unsharded.grad, self.mp_policy.grad_reduce_dtype(h.layout.dtype)
+        if h.accumulated is not None:  # what no_sync backwards accumulated in the reduce dtype
+            grad = h.accumulated if grad is None else h.accumulated.add_(grad)
+            h.accumulated = None
         unused_here = grad is None  # the unit took no part in this backward on this rank
         if unused_here:  # still take part in the collective (other ranks may have used it)
-            grad = torch.zeros_like(h.unsharded, memory_format=torch.contiguous_format)
-        local = self.ctx.reduce_scatter(grad, op="mean")  # (padded_numel // N,)
-        h.unsharded.grad = None  # frees the unsharded gradient
-        if unused_here and not local.any():
-            pass  # unused here, and a zero chunk (unused everywhere): leave .grad None, as one process
-        elif h.shard.grad is None:
-            h.shard.grad = local
-        else:
-            h.shard.grad += local
+            grad = torch.zeros(h.layout.padded_numel, dtype=reduce_dtype, device=h.shard.device)
+        elif grad.dtype != reduce_dtype:
+            grad = grad.to(reduce_dtype)
+        async_op, phase = self.comm.reduce_in_flight > 0, self.training_state.name.lower()
+        work = self.ctx.reduce_scatter(grad, op="mean", async_op=async_op)  # (padded_numel // N,)
+        h.unsharded.grad = None  # the unsharded gradient lives on only as the reduce-scatter's input
         self._reduced.add(index)
-        self._event("reduce_scatter")
+
+        def finish() -> None:
+            local = work.wait() if async_op else work
+            if local.dtype != h.shard.dtype:
+                local = local.to(h.shard.dtype)
+            if unused_here and not local.any():
+                pass  # unused here, and a zero chunk (unused everywhere): leave .grad None, as one process
+            elif h.shard.grad is None:
+                h.shard.grad = local
+            else:
+                h.shard.grad += local
+            self._event("reduce_scatter", phase)
+
+        if async_op:
+            self.comm.reduce_issued(finish, grad)
+        else:
+            finish()
 
     def finalize_backward(self) -> None:
         """End of backward: reduce what was not reduced (a unit unused on this rank), reshard everything."""
@@ -180,9 +288,11 @@ class FSDPUnit:
 
     def reset(self) -> None:
         """Forget a backward that raised: free what it gathered and the partial unsharded gradients."""
+        self.wait_for_unshard()
         for h in self.handles:
             if h.requires_grad and self.reduce_grads:
                 h.unsharded.grad = None
+                h.accumulated = None
             h.free()
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE

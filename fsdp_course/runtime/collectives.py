@@ -15,6 +15,8 @@ Gloo needs equal-sized chunks for all_gather and reduce_scatter, so callers pad 
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -22,8 +24,8 @@ import torch.distributed as dist
 
 from fsdp_course.runtime.monitor import CollectiveHang, Signature, WorldMonitor
 
-__all__ = ["P2PWork", "all_gather", "all_reduce", "barrier", "broadcast", "irecv", "isend", "recv", "reduce_scatter",
-           "send"]
+__all__ = ["CollectiveWork", "P2PWork", "all_gather", "all_reduce", "barrier", "broadcast", "irecv", "isend", "recv",
+           "reduce_scatter", "send"]
 
 class Rank(Protocol):
     """What a collective needs from its rank (`context.RankContext` is the implementation; typed here so that this
@@ -39,7 +41,47 @@ class Rank(Protocol):
 
     def begin_collective(self, op: str, tensors: list[torch.Tensor], extra: str = "") -> Signature: ...
 
-    def end_collective(self, sig: Signature, payload_bytes: int, src: int = 0) -> None: ...
+    def end_collective(self, sig: Signature, payload_bytes: int, src: int = 0, *, end: float | None = None
+                       ) -> None: ...
+
+
+class CollectiveWork:
+    """A collective started with `async_op=True`: the call returned at once, Gloo runs it on its own threads while
+    this rank computes. `wait()` blocks until it is done and returns its output (what the call would have returned).
+
+    The ledger records it at `wait()`, with the time it started and the time Gloo completed it (a callback on the
+    work's future; a work without a future, such as Gloo's one-tensor reduce-scatter, ends when waited), so a
+    timeline shows the communication where it really ran, overlapping compute.
+    Wait before touching the output, and on every rank: the next collective's result may depend on it.
+    """
+
+    def __init__(self, ctx: Rank, sig: Signature, work: Any, payload_bytes: int, output: torch.Tensor,
+                 finish: Callable[[], None] | None = None) -> None:
+        self._ctx, self._sig, self._work, self._payload = ctx, sig, work, payload_bytes
+        self._finish = finish
+        self.output = output
+        self.completed_at: float | None = None
+        self._waited = False
+        try:  # Gloo's all-gather has a future; its one-tensor reduce-scatter has none: then the end is the wait
+            work.get_future().add_done_callback(lambda _: setattr(self, "completed_at", time.perf_counter()))
+        except RuntimeError:
+            pass
+
+    @property
+    def op(self) -> str:
+        return self._sig.op
+
+    def is_completed(self) -> bool:
+        return self._waited or self._work.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        if not self._waited:
+            self._work.wait()
+            if self._finish is not None:
+                self._finish()
+            self._waited = True
+            self._ctx.end_collective(self._sig, self._payload, end=self.completed_at or time.perf_counter())
+        return self.output
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -131,11 +173,13 @@ def all_reduce(ctx: Rank, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor
     return tensor
 
 
-def all_gather(ctx: Rank, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def all_gather(ctx: Rank, tensor: torch.Tensor, out: torch.Tensor | None = None, *,
+               async_op: bool = False) -> Any:
     """Concatenate every rank's `tensor` along dim 0, in rank order, on every rank.
 
     Returns a tensor of shape (world_size * tensor.shape[0], *tensor.shape[1:]); pass `out` to
-    gather into a buffer you own (FSDP does, to free it afterwards).
+    gather into a buffer you own (FSDP does, to free it afterwards). `async_op=True` returns a
+    `CollectiveWork` at once: its `wait()` returns that tensor (FSDP's prefetch issues it so).
     """
     _check_tensor(ctx, "all_gather", tensor)
     if tensor.dim() == 0:
@@ -146,7 +190,10 @@ def all_gather(ctx: Rank, tensor: torch.Tensor, out: torch.Tensor | None = None)
     sig = ctx.begin_collective("all_gather", [tensor])
     # the one-tensor form, straight into out (ProcessGroup.all_gather_single's backend call; a bare
     # ProcessGroupGloo, as the simulator's ranks hold, has only this underscored name for it)
-    ctx.group._allgather_base(out, tensor).wait()
+    work = ctx.group._allgather_base(out, tensor)
+    if async_op:
+        return CollectiveWork(ctx, sig, work, out.numel() * out.element_size(), out)
+    work.wait()
     ctx.end_collective(sig, out.numel() * out.element_size())
     return out
 
@@ -163,10 +210,12 @@ ONE_TENSOR_REDUCE_SCATTER_BELOW = 1 << 20
 
 
 def reduce_scatter(ctx: Rank, tensor: torch.Tensor, op: str = "sum",
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, *, async_op: bool = False) -> Any:
     """Reduce `tensor` over all ranks, then give rank r the r-th of `world_size` equal chunks (dim 0).
 
     `tensor.shape[0]` must divide by the world size (Gloo needs equal chunks: pad first).
+    `async_op=True` returns a `CollectiveWork` whose `wait()` returns the chunk; keep `tensor` alive
+    and unchanged until then.
     """
     _check_tensor(ctx, "reduce_scatter", tensor)
     _check_op("reduce_scatter", op, tensor)
@@ -183,14 +232,22 @@ def reduce_scatter(ctx: Rank, tensor: torch.Tensor, op: str = "sum",
     if wide:
         tensor, out = tensor.float(), torch.empty(shape, dtype=torch.float32, device=tensor.device)
     if tensor.numel() < ONE_TENSOR_REDUCE_SCATTER_BELOW or tensor.device.type != "cpu":  # NCCL: native
-        ctx.group._reduce_scatter_base(out, tensor, opts).wait()
+        work = ctx.group._reduce_scatter_base(out, tensor, opts)
     else:
-        ctx.group.reduce_scatter([out], [list(tensor.chunk(n))], opts).wait()
-    if op == "mean":
-        out.div_(n)
-    if wide:
-        final.copy_(out)
-    ctx.end_collective(sig, final.numel() * n * final.element_size())  # the logical payload, in the caller's dtype
+        work = ctx.group.reduce_scatter([out], [list(tensor.chunk(n))], opts)
+
+    def finish() -> None:
+        if op == "mean":
+            out.div_(n)
+        if wide:
+            final.copy_(out)
+
+    payload = final.numel() * n * final.element_size()  # the logical payload, in the caller's dtype
+    if async_op:
+        return CollectiveWork(ctx, sig, work, payload, final, finish)
+    work.wait()
+    finish()
+    ctx.end_collective(sig, payload)
     return final
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,6 +67,7 @@ class RankContext:
         self.simulated = monitor is not None
         self._monitor = monitor
         self._seq = 0
+        self._started: dict[int, float] = {}  # seq -> perf_counter when the collective started
 
     def __repr__(self) -> str:
         kind = "simulated thread" if self.simulated else "process"
@@ -84,11 +87,15 @@ class RankContext:
         sig = Signature(op, self._seq, tuple(tuple(t.shape) for t in tensors), dtype, extra)
         if self._monitor is not None:
             self._monitor.check(self.rank, sig)
+        self._started[sig.seq] = time.perf_counter()
         return sig
 
-    def end_collective(self, sig: Signature, payload_bytes: int, src: int = 0) -> None:
-        """After a collective: record it in the ledger (its logical payload) and tell the referee it is done."""
-        self.ledger.add(sig.op, sig.seq, sig.dtype, sig.shapes, payload_bytes, src)
+    def end_collective(self, sig: Signature, payload_bytes: int, src: int = 0, *, end: float | None = None) -> None:
+        """After a collective: record it in the ledger (its logical payload, its start and `end` time, default now)
+        and tell the referee it is done."""
+        start = self._started.pop(sig.seq, None)
+        self.ledger.add(sig.op, sig.seq, sig.dtype, sig.shapes, payload_bytes, src, start=start,
+                        end=time.perf_counter() if end is None else end)
         if self._monitor is not None:
             self._monitor.collective_done(self.rank, sig)
 
@@ -99,12 +106,12 @@ class RankContext:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return collectives.all_reduce(self, tensor, op)
 
-    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return collectives.all_gather(self, tensor, out)
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None, *, async_op: bool = False) -> Any:
+        return collectives.all_gather(self, tensor, out, async_op=async_op)
 
-    def reduce_scatter(self, tensor: torch.Tensor, op: str = "sum",
-                       out: torch.Tensor | None = None) -> torch.Tensor:
-        return collectives.reduce_scatter(self, tensor, op, out)
+    def reduce_scatter(self, tensor: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None, *,
+                       async_op: bool = False) -> Any:
+        return collectives.reduce_scatter(self, tensor, op, out, async_op=async_op)
 
     def barrier(self) -> None:
         collectives.barrier(self)

@@ -70,6 +70,8 @@ class Record:
     sent_bytes: float  # ring model, this rank
     recv_bytes: float  # ring model, this rank
     label: str = ""  # the phase set by Ledger.mark(), e.g. "step 3"
+    start: float | None = None  # time.perf_counter() when every rank had joined and the call started
+    end: float | None = None  # when it completed (an async_op collective: when Gloo finished it, not when waited)
 
 
 class Ledger:
@@ -96,10 +98,10 @@ class Ledger:
         self.records.clear()
 
     def add(self, op: str, seq: int, dtype: str, shapes: tuple[tuple[int, ...], ...],
-            payload_bytes: int, src: int = 0) -> Record:
-        """Record one collective and return the record."""
+            payload_bytes: int, src: int = 0, *, start: float | None = None, end: float | None = None) -> Record:
+        """Record one collective and return the record (`start`, `end`: its perf_counter times, when known)."""
         sent, received = ring_bytes(op, payload_bytes, self.world_size, self.rank, src)
-        record = Record(op, seq, dtype, shapes, payload_bytes, sent, received, self.label)
+        record = Record(op, seq, dtype, shapes, payload_bytes, sent, received, self.label, start, end)
         self.records.append(record)
         return record
 
