@@ -82,12 +82,13 @@ class FSDP(nn.Module):
 
     `prefetch=k` (default 0): each unit's hook issues the all-gathers of the next k units without waiting for them
     (async), so they run while this unit computes: in forward in the order the previous forward used the units
-    (the first forward has none to follow), in backward in the reverse of this step's forward order; and each
+    (the first forward has none to follow), in backward in the reverse of the order this step's forwards ended
+    (FSDP2's post_forward_order); and each
     reduce-scatter runs on while autograd computes the next unit's gradients, waited for when the next one is issued
     and at the end of backward. The price: k more units gathered (FSDP2's `set_modules_to_forward_prefetch` /
     `set_modules_to_backward_prefetch`, and its implicit backward prefetch of one unit). It assumes every step uses
     the units in the same order. `fsdp.trace` holds the last step's compute spans (`Span`); with the ledger's times
-    of every collective they draw the overlap.
+    of every collective they draw the overlap (the root unit has none: its passes enclose every other unit's).
 
     Activation checkpointing (`torch.utils.checkpoint`, non-reentrant) works inside and around wrapped
     modules; frozen parameters (`requires_grad=False`) get their own flat parameter per unit, freed when the
@@ -119,6 +120,7 @@ class FSDP(nn.Module):
         self.trace: list[Span] = []  # the last step's compute spans, per unit and pass
         self._forward_order: list[FSDPUnit] = []  # this step's units, in the order their forward began
         self._last_forward_order: list[FSDPUnit] = []
+        self._post_forward_order: list[FSDPUnit] = []  # this step's units, in the order their forward ended
         self._callback_queued = False
         self.state_dict_keys = list(module.state_dict().keys())  # what full_state_dict() returns
         wrap_types = (wrap,) if isinstance(wrap, type) else tuple(wrap or ())
@@ -143,6 +145,7 @@ class FSDP(nn.Module):
         self.root_unit = next((u for u in self.units if u.module is module), None)
         if self.root_unit is not None:
             self.root_unit.reshard_after_forward = reshard_root_after_forward
+            self.root_unit._on_span = None  # its forward and backward enclose every other unit's: no span of its own
         self._trip_stale_optimizers()
         for unit in self.units:
             if unit is not self.root_unit:
@@ -214,7 +217,7 @@ class FSDP(nn.Module):
         if self._callback_queued or any(u.training_state is not TrainingState.IDLE for u in self.units):
             self._forget_failed_backward()
         if self._forward_order:  # a new step: the order the last one used the units guides forward prefetch
-            self._last_forward_order, self._forward_order = self._forward_order, []
+            self._last_forward_order, self._forward_order, self._post_forward_order = self._forward_order, [], []
             self.trace.clear()
         if self.mp_policy.cast_forward_inputs:
             args, kwargs = cast_floating(self.mp_policy.param_dtype, (args, kwargs))
@@ -236,13 +239,18 @@ class FSDP(nn.Module):
             self._prefetch_after(unit, self._last_forward_order, "forward")
         if self.mp_policy.cast_forward_inputs:
             args, kwargs = cast_floating(self.mp_policy.param_dtype, (args, kwargs))
-        return unit.register_post_backward(args, kwargs)
+        args, kwargs = unit.register_post_backward(args, kwargs)
+        if not recomputing:
+            unit.compute_begins()
+        return args, kwargs
 
     def _post_forward(self, unit: FSDPUnit, out: Any) -> Any:
         recomputing = unit.recomputing
         unit.post_forward()
         if recomputing:
             return out
+        if unit not in self._post_forward_order:
+            self._post_forward_order.append(unit)
         out = cast_floating(self.mp_policy.output_dtype, out)
         if torch.is_grad_enabled():
             register_grad_hooks(out, lambda: self._pre_backward(unit))
@@ -251,7 +259,8 @@ class FSDP(nn.Module):
     def _pre_backward(self, unit: FSDPUnit) -> None:
         self._root_pre_backward()
         unit.pre_backward()
-        self._prefetch_after(unit, self._forward_order[::-1], "backward")
+        self._prefetch_after(unit, self._post_forward_order[::-1], "backward")  # backward runs in reverse
+        unit.compute_begins()
 
     def _prefetch_after(self, unit: FSDPUnit, order: list[FSDPUnit], phase: str) -> None:
         """Issue the all-gathers of the `self.prefetch` units that follow `unit` in `order` (async)."""

@@ -157,6 +157,10 @@ class FSDPUnit:
         if self._on_event is not None:
             self._on_event(f"{phase or self.training_state.name.lower()}: {what} {self.label}")
 
+    def compute_begins(self) -> None:
+        """The pre-forward (pre-backward) hook is done, prefetches issued: the unit's compute starts now."""
+        self._compute_start = time.perf_counter()
+
     def _span(self, phase: str) -> None:
         """The unit's compute in `phase` ends now (it started when its pre-hook returned)."""
         if self._compute_start is not None and self._on_span is not None:
@@ -175,8 +179,6 @@ class FSDPUnit:
         self.unshard()  # when recomputing: a no-op, unless a post_backward has already freed a flat parameter
         for h in self.handles:  # fresh views each forward: their grad_fn leads to h.unsharded's .grad
             h.use_unsharded_views()
-        if not self.recomputing:
-            self._compute_start = time.perf_counter()
 
     def post_forward(self) -> None:
         if self.recomputing:
@@ -209,7 +211,6 @@ class FSDPUnit:
         for h in self.handles:
             if h.is_unsharded:
                 h.use_unsharded_views()
-        self._compute_start = time.perf_counter()
 
     def post_backward(self, index: int) -> None:
         """Flat parameter `index` has its whole gradient in `.unsharded.grad`: reduce-scatter it, then free it."""
