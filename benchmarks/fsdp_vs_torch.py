@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +46,16 @@ Result = dict[str, Any]
 
 
 def run(engine: str, config: str, nproc: int, steps: int, batch: int, *, meta: bool = False,
-        malloc: int = 0, tag: str = "") -> Result | None:
-    """One torchrun launch: the summary rank 0 wrote (None if it failed twice). malloc: MALLOC_MMAP_THRESHOLD_."""
-    name = f"{config}_{engine}{'_meta' if meta else ''}{'_mmap' if malloc else ''}_n{nproc}"
+        malloc: int = 0, tag: str = "", extra: Sequence[str] = ()) -> Result | None:
+    """One torchrun launch: the summary rank 0 wrote (None if it failed twice). malloc: MALLOC_MMAP_THRESHOLD_;
+    extra: more options of fsdp_course.train (e.g. ["--prefetch"]), named in the result's file."""
+    flags = "".join("_" + f.lstrip("-").replace("-", "") for f in extra)
+    name = f"{config}_{engine}{'_meta' if meta else ''}{'_mmap' if malloc else ''}{flags}_n{nproc}"
     out = OUT / f"{name}{tag}.json"
     cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
            str(free_port()), "-m", "fsdp_course.train", "--engine", engine, "--config", config,
            "--steps", str(steps), "--batch-size", str(batch), "--log-every", str(steps), "--timeout", "600",
-           "--json", str(out), *(["--meta-init"] if meta else [])]
+           "--json", str(out), *(["--meta-init"] if meta else []), *extra]
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     env["OMP_NUM_THREADS"] = "1"
     if malloc:
