@@ -8,6 +8,13 @@ on dim 0 (FSDPParam), gathers a unit's parameters in one all-gather (FSDPParamGr
 reduce-scatters its gradients in one collective: the design of the FSDP paper (arXiv:2304.11277),
 rebuilt in FSDP2 around DTensor. Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
 
+`mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)` goes to every
+`fully_shard` call (fully_shard's mixed precision: fp32 sharded parameters, all-gather and compute in
+`param_dtype`, gradients reduce-scattered in `reduce_dtype`). `prefetch=k` sets explicit prefetching,
+k units ahead, as the docs of `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` show:
+each layer unit prefetches the next k in forward and the previous k in backward, and the root (which
+runs first: it holds the embeddings) the first k in forward, as the course's `FSDP(..., prefetch=k)` does.
+
 A model built on the meta device is sharded first and materialized after (`to_empty`), one piece
 at a time from `meta_init.materialize`, so no rank ever holds the whole model.
 
@@ -26,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_course.fsdp.meta_init import materialize
@@ -36,12 +43,17 @@ __all__ = ["count_collectives", "full_state_dict", "shard_with_fully_shard"]
 
 
 def shard_with_fully_shard(model: nn.Module, ctx: RankContext, *, seed: int | None = None,
-                           unit: type[nn.Module] = nn.TransformerEncoderLayer) -> nn.Module:
+                           unit: type[nn.Module] = nn.TransformerEncoderLayer,
+                           mp_policy: MixedPrecisionPolicy | None = None, prefetch: int = 0) -> nn.Module:
     """Shard `model` in place with fully_shard (one unit per `unit` instance, plus the root); returns it.
 
     A model on the meta device is then materialized piece by piece from `seed` (meta_init); a real
     model must already hold the same values on every rank (fully_shard does not broadcast).
+    `mp_policy` (torch's MixedPrecisionPolicy) applies to every unit and the root; `prefetch=k` makes each
+    unit prefetch the all-gathers of the next k units in forward and of the previous k in backward.
     """
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be the number of units to gather ahead (0, 1, 2 ...), got {prefetch!r}")
     mesh = DeviceMesh.from_group(ctx.group, ctx.device.type)
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and seed is None:
@@ -52,10 +64,18 @@ def shard_with_fully_shard(model: nn.Module, ctx: RankContext, *, seed: int | No
             raise TypeError(f"cannot rebuild {type(model).__name__} on the meta device: it needs a .config")
         with torch.device("meta"):
             template = type(model)(model.config)
-    for module in model.modules():
-        if isinstance(module, unit):
-            fully_shard(module, mesh=mesh)  # one FSDPParamGroup: one all-gather, one reduce-scatter
-    fully_shard(model, mesh=mesh)  # the root: whatever no unit owns
+    policy = mp_policy or MixedPrecisionPolicy()  # fully_shard's default: no casts
+    units = [module for module in model.modules() if isinstance(module, unit)]
+    for module in units:
+        fully_shard(module, mesh=mesh, mp_policy=policy)  # one FSDPParamGroup: one all-gather, one reduce-scatter
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: whatever no unit owns
+    if prefetch:
+        sharded = [m for m in units if isinstance(m, FSDPModule)]  # fully_shard changed each one's class
+        root: Any = model  # an FSDPModule now too
+        root.set_modules_to_forward_prefetch(sharded[:prefetch])  # the root runs first: it starts the chain
+        for i, module in enumerate(sharded):
+            module.set_modules_to_forward_prefetch(sharded[i + 1 : i + 1 + prefetch])
+            module.set_modules_to_backward_prefetch(sharded[max(0, i - prefetch) : i][::-1])
     if template is not None:
         model.to_empty(device=ctx.device)  # allocates the local shards only
         _load_pieces(model, template, seed, mesh)  # type: ignore[arg-type]  (seed checked above)
