@@ -60,12 +60,20 @@ class CollectiveWork:
         self._ctx, self._sig, self._work, self._payload = ctx, sig, work, payload_bytes
         self._finish = finish
         self.output = output
-        self.completed_at: float | None = None
         self._waited = False
+        # The callback runs on Gloo's thread and must not hold `self` (and through it the group): a work dropped
+        # unwaited would then destroy its process group on Gloo's own thread, which aborts the process.
+        self._completed: list[float | None] = [None]
+        done = self._completed
         try:  # Gloo's all-gather has a future; its one-tensor reduce-scatter has none: then the end is the wait
-            work.get_future().add_done_callback(lambda _: setattr(self, "completed_at", time.perf_counter()))
+            work.get_future().add_done_callback(lambda _: done.__setitem__(0, time.perf_counter()))
         except RuntimeError:
             pass
+
+    @property
+    def completed_at(self) -> float | None:
+        """time.perf_counter() when Gloo completed the collective (None: not yet, or no future to tell)."""
+        return self._completed[0]
 
     @property
     def op(self) -> str:

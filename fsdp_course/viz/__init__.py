@@ -14,9 +14,12 @@ Rank r always has the colour `rank_color(r)`; byte axes are in B / KiB / MiB / G
                         (traffic.py; ZeRO arXiv:1910.02054 section 7)
   plot_zero_bars        DDP 16Ψ, ZeRO-1 8Ψ+8Ψ/N, ZeRO-2 4Ψ+12Ψ/N, ZeRO-3 16Ψ/N (fp32 Adam), measured
                         bars beside them   (zero_bars.py; ZeRO arXiv:1910.02054 section 5.1)
+  plot_overlap          per rank, each unit's compute (fsdp.trace) above each collective (ledger start/end):
+                        what prefetching overlaps   (overlap.py; FSDP paper arXiv:2304.11277 section 3.3)
 The interactive calculator lives in `fsdp_course.viz.widgets` (it needs ipywidgets).
 """
 
+from fsdp_course.viz.overlap import plot_overlap
 from fsdp_course.viz.sharding import plot_per_param_sharding, plot_sharding
 from fsdp_course.viz.style import (
     CATEGORY_COLORS,
@@ -39,6 +42,7 @@ __all__ = [
     "format_bytes",
     "plot_memory_compare",
     "plot_memory_timeline",
+    "plot_overlap",
     "plot_sharding",
     "plot_traffic",
     "plot_zero_bars",

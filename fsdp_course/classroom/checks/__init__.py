@@ -13,6 +13,8 @@ or prints exactly what failed (world size, rank, step, tensor, difference) with 
     06 fsdp          check_fsdp_unit
     08 transformer   check_sharded_checkpoint (sharded checkpoint, loaded back under torchrun)
     10 distributed pitfalls   check_clip_grad_norm, check_train_step
+    12 mixed precision        check_found_inf, check_update_scale (fp16 loss scaling over shards)
+    13 overlap                check_forward_prefetch (forward prefetching with async all-gathers)
 """
 
 from fsdp_course.classroom.checks._common import CheckFailure, call_learner, compare_tensor, format_tensor, run_checked
@@ -22,6 +24,8 @@ from fsdp_course.classroom.checks.ddp import check_broadcast_parameters, check_d
 from fsdp_course.classroom.checks.flat_param import check_flat_param
 from fsdp_course.classroom.checks.fsdp_unit import check_fsdp_unit
 from fsdp_course.classroom.checks.memory import check_zero_memory
+from fsdp_course.classroom.checks.mixed_precision import check_found_inf, check_update_scale
+from fsdp_course.classroom.checks.overlap import check_forward_prefetch
 from fsdp_course.classroom.checks.pitfalls import check_clip_grad_norm, check_train_step
 
 __all__ = [
@@ -32,10 +36,13 @@ __all__ = [
     "check_clip_grad_norm",
     "check_ddp",
     "check_flat_param",
+    "check_forward_prefetch",
+    "check_found_inf",
     "check_fsdp_unit",
     "check_ring_all_reduce",
     "check_sharded_checkpoint",
     "check_train_step",
+    "check_update_scale",
     "check_zero_memory",
     "compare_tensor",
     "format_tensor",
