@@ -14,6 +14,8 @@ rebuilt in FSDP2 around DTensor. Docs: https://pytorch.org/docs/stable/distribut
 k units ahead, as the docs of `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` show:
 each layer unit prefetches the next k in forward and the previous k in backward, and the root (which
 runs first: it holds the embeddings) the first k in forward, as the course's `FSDP(..., prefetch=k)` does.
+On CPU FSDP2 has no streams and blocks on every all-gather unless `_set_unshard_async_op(True)` is set
+(private; its docstring: "you must use explicit prefetching ... to still get overlap"): with prefetch it is.
 
 A model built on the meta device is sharded first and materialized after (`to_empty`), one piece
 at a time from `meta_init.materialize`, so no rank ever holds the whole model.
@@ -76,6 +78,11 @@ def shard_with_fully_shard(model: nn.Module, ctx: RankContext, *, seed: int | No
         for i, module in enumerate(sharded):
             module.set_modules_to_forward_prefetch(sharded[i + 1 : i + 1 + prefetch])
             module.set_modules_to_backward_prefetch(sharded[max(0, i - prefetch) : i][::-1])
+        if ctx.device.type == "cpu":
+            # without streams, fully_shard waits for every all-gather it issues, prefetched ones included
+            # (unshard_async_op defaults to False): the documented-private switch issues them async, so a
+            # prefetched gather runs while the current unit computes, as the course's prefetch does
+            root._set_unshard_async_op(True)
     if template is not None:
         model.to_empty(device=ctx.device)  # allocates the local shards only
         _load_pieces(model, template, seed, mesh)  # type: ignore[arg-type]  (seed checked above)

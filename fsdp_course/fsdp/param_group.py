@@ -23,7 +23,9 @@ Activation checkpointing: a forward recomputed during backward runs pre_forward 
 unit is in PRE_BACKWARD. pre_forward then only makes sure the unit is gathered, and post_forward returns at
 once, as FSDP2's `FSDPState._pre_forward` / `_post_forward` do (_fsdp_state.py: "the pre-backward hook is
 responsible for the unshard", "the post-backward hook is responsible for the reshard"): the recomputation uses
-the gather pre_backward made, and nothing is resharded in the middle of the unit's backward.
+the gather pre_backward made, and nothing is resharded in the middle of the unit's backward. A checkpoint that spans
+several units recomputes the earlier ones before their own backward: they are gathered again then, and stay gathered
+until their backward (FSDP2's `post_forward` does not reshard during backward): memory, not another all-gather.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ class Span:
     phase: str  # "forward" | "backward"
     start: float
     end: float
+
+
+def in_backward() -> bool:
+    """Autograd is running a backward now (torch's `_fsdp_common.is_bw`)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class CommContext:
@@ -184,6 +191,12 @@ class FSDPUnit:
         if self.recomputing:
             return
         self._span("forward")
+        if in_backward():
+            # a forward recomputed during backward by a checkpoint that spans this unit, before this unit's own
+            # backward: stay gathered until that backward (FSDP2's post_forward: `if not is_bw(): reshard()`), which
+            # costs memory, not another all-gather
+            self.training_state = TrainingState.IDLE
+            return
         if self.reshard_after_forward or not torch.is_grad_enabled():
             self.reshard()
         # else: stay gathered for backward, which needs the unit next (FSDP2 does so for its root unit:
