@@ -3,7 +3,7 @@ with the right hint; the reference found-inf check keeps the ranks together in a
 
 Each planted mistake is the reference with one thing wrong, the way a learner would get it wrong: a decision each
 rank takes alone (the sharding trap), `torch.isinf` that misses NaN, a collective made only by the ranks that found
-an inf, a count returned instead of an answer, shards not unscaled in place; for the scale's update, an
+an inf, a tensor or a count returned instead of a bool, shards not unscaled in place; for the scale's update, an
 off-by-one growth and a count that is not reset.
 """
 
@@ -55,12 +55,20 @@ def reduces_only_when_found(ctx: RankContext, shards: list[torch.Tensor], scale:
     return False
 
 
-def returns_the_count(ctx: RankContext, shards: list[torch.Tensor], scale: float) -> torch.Tensor:
+def returns_the_flag_tensor(ctx: RankContext, shards: list[torch.Tensor], scale: float) -> torch.Tensor:
     found = torch.zeros(1)
     for g in shards:
         g.div_(scale)
         found = torch.maximum(found, (~torch.isfinite(g)).any().float().reshape(1))
-    return ctx.all_reduce(found, op="sum")
+    return ctx.all_reduce(found, op="max")  # the right answer, as a tensor holding 0.0 or 1.0
+
+
+def returns_the_count(ctx: RankContext, shards: list[torch.Tensor], scale: float) -> float:
+    found = torch.zeros(1)
+    for g in shards:
+        g.div_(scale)
+        found = torch.maximum(found, (~torch.isfinite(g)).any().float().reshape(1))
+    return ctx.all_reduce(found, op="sum").item()
 
 
 def not_in_place(ctx: RankContext, shards: list[torch.Tensor], scale: float) -> bool:
@@ -109,7 +117,9 @@ def test_found_inf_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
     (misses_nan, (2,), "world size 2, a NaN on the last rank only", "torch.isinf misses NaN"),
     (reduces_only_when_found, (2,), "world size 2, an inf on the last rank only, rank 1",
      "every rank must call the all-reduce, with its flag 0 or 1, whether or not it found an inf"),
-    (returns_the_count, (2,), "world size 2, an inf on every rank, rank 0", "that looks like a count"),
+    (returns_the_flag_tensor, (1, 2), "world size 1, no inf or NaN, rank 0",
+     "return a Python bool, e.g. bool(flag.item())"),
+    (returns_the_count, (2,), "world size 2, no inf or NaN, rank 0", "return a Python bool, e.g. bool(flag.item())"),
     (not_in_place, (2,), "world size 2, no inf or NaN, rank 0", "the shards were not unscaled: divide each one"),
     (multiplies, (1,), "world size 1, no inf or NaN, rank 0", "multiplied by the scale"),
     (checks_last_shard_only, (2,), "world size 2, an inf on every rank", "no rank found the inf in its own shards"),

@@ -131,6 +131,18 @@ def test_planted_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.Capt
     fails(check_forward_prefetch, fn, world_sizes=(2,), hint=hint, capsys=capsys)
 
 
+@pytest.mark.parametrize(("fn", "problem"), [
+    (no_wait, "unit 0's parameters were used before its all-gather was waited for"),
+    (waits_at_once, "unit 1's all-gather had already been waited for"),
+])
+def test_a_problem_seen_by_compute_names_the_rank_once(fn: Callable, problem: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(AssertionError, match=f"failed at world size 2, rank 0: {problem}"):
+        check_forward_prefetch(fn, world_sizes=(2,))
+    out = capsys.readouterr().out
+    assert f"check_forward_prefetch FAILED at world size 2, rank 0\n  {problem}" in out, out
+
+
 def test_one_rank_is_checked_too(capsys: pytest.CaptureFixture[str]) -> None:
     out = fails(check_forward_prefetch, serial, world_sizes=(1,), hint="started after unit 0's compute", capsys=capsys)
     assert "FAILED at world size 1, rank 0" in out

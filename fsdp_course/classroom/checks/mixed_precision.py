@@ -74,17 +74,14 @@ def _reference(fulls: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
 
 
 def _as_bool(check: str, where: str, rank: int, value: Any) -> bool:
-    """The learner's answer as a bool: True, False, or a one-element tensor holding 0 or 1."""
+    """The learner's answer, which must be a Python bool, as the stub's `-> bool` promises: a tensor or a number is
+    refused, even one holding 0 or 1."""
     if isinstance(value, bool):
         return value
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        v = value.item()
-        if v in (0, 1):
-            return bool(v)
-        if isinstance(v, float) and v > 1 and v == int(v):
-            CheckFailure(check, where, f"rank {rank} returned {value!r}, not True or False",
-                         "that looks like a count of the ranks that found an inf (op='sum'): return it > 0, or "
-                         "all-reduce with op='max'").fail()
+    if isinstance(value, torch.Tensor | int | float):
+        shown = f"a tensor, {value!r}" if isinstance(value, torch.Tensor) else f"{value!r} ({type(value).__name__})"
+        CheckFailure(check, where, f"rank {rank} returned {shown}, not a Python bool",
+                     "return a Python bool, e.g. bool(flag.item())").fail()
     CheckFailure(check, where, f"rank {rank} returned {value!r} ({type(value).__name__}), not True or False",
                  "return True (some rank found an inf or NaN: skip the step) or False (every shard is finite)").fail()
 

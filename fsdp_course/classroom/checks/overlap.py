@@ -111,7 +111,7 @@ class _Chain:
 
 def _compute_for(chain: _Chain, ctx: RankContext, run: ForwardRun) -> Callable[[int, Any, torch.Tensor], torch.Tensor]:
     """The `compute(i, full, x)` handed to the learner on this rank: it checks what it is given and times the unit."""
-    n, rank = len(chain.layouts), ctx.rank
+    n = len(chain.layouts)
 
     def waited(i: int) -> int:  # how many all-gathers of unit i this rank has waited for (or run synchronously)
         return sum(1 for r in ctx.ledger.records if chain.unit_of(r) == i)
@@ -148,15 +148,15 @@ def _compute_for(chain: _Chain, ctx: RankContext, run: ForwardRun) -> Callable[[
                                 f"({expected},): unit {i}'s gathered flat parameter",
                                 "pass what ctx.all_gather(shards[i], ...) returns, unchanged")
         if waited(i) == 0:
-            note(f"rank {rank}: unit {i}'s parameters were used before its all-gather was waited for",
+            note(f"unit {i}'s parameters were used before its all-gather was waited for",
                  "an async all-gather fills its output in the background: call work.wait() before using the "
                  "parameters, and use what it returns")
         elif not torch.equal(full, chain.fulls[i]):
-            note(f"rank {rank}: compute({i}, ...) got values that are not unit {i}'s gathered parameters",
+            note(f"compute({i}, ...) got values that are not unit {i}'s gathered parameters",
                  f"pass what unit {i}'s all-gather returns, unchanged (the concatenation of every rank's "
                  f"shards[{i}])")
         if i + 1 < n and waited(i + 1) > 0:
-            note(f"rank {rank}: unit {i + 1}'s all-gather had already been waited for (or run without "
+            note(f"unit {i + 1}'s all-gather had already been waited for (or run without "
                  f"async_op=True) when unit {i}'s compute started, so nothing overlaps",
                  f"issue unit {i + 1}'s all-gather with async_op=True before computing unit {i}, and call wait() "
                  f"only just before unit {i + 1} needs its parameters")
