@@ -1,9 +1,12 @@
-"""`python -m fsdp_course.train` under real torchrun: ours against fully_shard, two "nodes", bad launches.
+"""`python -m fsdp_course.train` under real torchrun: ours on two "nodes" against fully_shard, bad launches.
 
-The course's FSDP and PyTorch's fully_shard start from the same weights, see the same batches and
-use AdamW: losses must agree at every step and the final parameters in global norm (elementwise
-equality is not expected with Adam: see docs/ARCHITECTURE.md). The two-node run (4 ranks) must give
-the losses of the 2-process run, since every world size computes the step one process would.
+Two launches, started together: PyTorch's fully_shard as 2 processes on one node, and the course's FSDP as two
+"nodes" of 2 processes each (4 ranks, c10d rendezvous). Both start from the same weights, see the same global
+batches and use AdamW, and every world size computes the step one process would: the losses must agree at every
+step and the final parameters in global norm (elementwise equality is not expected with Adam: see
+docs/ARCHITECTURE.md). One comparison checks the engines and the world size at once; lesson 11 compares the
+two engines at the same world size (2 processes each: every step's loss, the final parameters from both
+checkpoints, and the bytes each rank sends, to the byte), so this file need not launch that pair again.
 """
 
 import json
@@ -22,7 +25,7 @@ from fsdp_course.runtime.ports import free_port
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-STEPS, NODE_STEPS, TOL = 10, 4, 1e-5
+STEPS, TOL = 10, 1e-5
 TRAIN = ["-m", "fsdp_course.train", "--config", "small", "--steps", str(STEPS), "--batch-size", "32",
          "--log-every", "5", "--timeout", "60"]
 
@@ -41,32 +44,45 @@ def finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str, str]
     return proc.returncode, out, err
 
 
-def standalone(engine: str, out: Path) -> subprocess.Popen:
-    return start([TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                  *TRAIN, "--engine", engine, "--json", str(out / "log.json"), "--checkpoint", str(out / "ckpt")])
+def one_node(engine: str, out: Path) -> list[subprocess.Popen]:
+    return [start([TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                   *TRAIN, "--engine", engine, "--json", str(out / "log.json"), "--checkpoint", str(out / "ckpt")])]
+
+
+def two_nodes(engine: str, out: Path) -> list[subprocess.Popen]:
+    """Two torchrun "nodes" of 2 processes each: 4 ranks. Each node names its own JSON and checkpoint path, so
+    the test sees which processes wrote them (global rank 0 only)."""
+    port = free_port()
+    node = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-id", f"test{port}", "--local-addr", "127.0.0.1", "--max-restarts", "0"]
+    return [start([TORCHRUN, *node, "--node-rank", str(k), *TRAIN, "--engine", engine,
+                   "--json", str(out / f"node{k}.json"), "--checkpoint", str(out / f"ckpt{k}")]) for k in (0, 1)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """ours and torch, 2 processes each, started together (their startup overlaps)."""
+    """torch on one node (2 ranks) and ours on two nodes (4 ranks), started together (their startups overlap)."""
     dirs = {e: tmp_path_factory.mktemp(e) for e in ("ours", "torch")}
-    procs = {e: standalone(e, d) for e, d in dirs.items()}
+    procs = {"torch": one_node("torch", dirs["torch"]), "ours": two_nodes("ours", dirs["ours"])}
     results = {}
-    for engine, proc in procs.items():
-        rc, out, err = finish(proc)
-        assert rc == 0, f"--engine {engine} failed:\n{out[-2000:]}\n{err[-4000:]}"
-        assert "summary: engine=" + engine in out
-        log = json.loads((dirs[engine] / "log.json").read_text())
-        state = torch.load(dirs[engine] / "ckpt" / "model.pt")
-        results[engine] = {"log": log, "state": state, "stdout": out}
+    for engine, launched in procs.items():
+        done = [finish(p, 300) for p in launched]  # 3 torchrun agents and 6 processes share the CPU
+        for k, (rc, out, err) in enumerate(done):
+            assert rc == 0, f"--engine {engine}, node {k} of {len(done)} failed:\n{out[-2000:]}\n{err[-4000:]}"
+        stdout = "".join(out for _, out, _ in done)
+        assert stdout.count("summary: engine=" + engine) == 1, "one summary, printed by global rank 0"
+        logs = sorted(p for p in dirs[engine].iterdir() if p.suffix == ".json")
+        ckpts = sorted(p for p in dirs[engine].iterdir() if (p / "model.pt").exists())
+        results[engine] = {"log": json.loads(logs[0].read_text()), "state": torch.load(ckpts[0] / "model.pt"),
+                           "stdout": stdout, "logs": logs, "ckpts": ckpts}
     return results
 
 
-def test_ours_matches_fully_shard_at_every_step(runs: dict[str, dict]) -> None:
+def test_ours_on_four_ranks_matches_fully_shard_on_two_at_every_step(runs: dict[str, dict]) -> None:
     ours, theirs = runs["ours"]["log"]["losses"], runs["torch"]["log"]["losses"]
     assert len(ours) == len(theirs) == STEPS
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        assert abs(a - b) <= TOL * abs(b), f"step {step}: loss ours {a!r} vs fully_shard {b!r}"
+        assert abs(a - b) <= TOL * abs(b), f"step {step}: loss ours (4 ranks, 2 nodes) {a!r} vs fully_shard {b!r}"
     assert ours[-1] < ours[0], "the loss should fall over 10 steps"
 
 
@@ -78,44 +94,42 @@ def test_final_parameters_match_in_global_norm(runs: dict[str, dict]) -> None:
     diff = torch.sqrt(sum(((a[k].double() - b[k].double()) ** 2).sum() for k in b))
     assert abs(norm_a - norm_b) <= TOL * norm_b, f"global norms {norm_a} vs {norm_b}"
     assert diff <= TOL * norm_b, f"global norm of the difference {diff / norm_b:.2e} (relative)"
+    # Every tensor, one by one: a tensor left behind (not updated, or updated twice) would differ by ~100%. The
+    # loosest is a self-attention in_proj_bias, 5.4e-4 relative (measured): its key-bias third gets a gradient that
+    # is zero but for rounding (softmax ignores a shift of all of a query's scores), so it holds only accumulated
+    # rounding (norm 1.5e-5, against 0.02 for the query and value biases), which differs between 4 and 2 ranks.
+    # At the same world size the engines agree to the bit (measured); lesson 11 asserts 1e-5 and 1e-3 there.
     worst = max(b, key=lambda k: ((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)).item())
-    assert (a[worst] - b[worst]).norm() <= 1e-3 * b[worst].norm().clamp_min(1e-12), worst
+    assert (a[worst] - b[worst]).norm() <= 1e-2 * b[worst].norm().clamp_min(1e-12), worst
 
 
 def test_summary_reports_time_memory_and_traffic(runs: dict[str, dict]) -> None:
-    for engine in ("ours", "torch"):
+    per_element = {}
+    for engine, world in (("ours", 4), ("torch", 2)):
         log = runs[engine]["log"]
-        assert log["world_size"] == 2 and log["engine"] == engine
+        assert log["world_size"] == world and log["engine"] == engine
         assert 0 < log["median_step_s"] < 60
-        assert len(log["peak_rss_bytes"]) == len(log["peak_live_bytes"]) == 2
+        assert len(log["peak_rss_bytes"]) == len(log["peak_live_bytes"]) == world
         assert all(v > 10 * 2**20 for v in log["peak_rss_bytes"]), log["peak_rss_bytes"]
         assert all(v > 0 for v in log["peak_live_bytes"]), log["peak_live_bytes"]
         assert 0.0 <= log["accuracy"] <= 1.0
-    # FSDP moves 3 Psi (N-1)/N per step (gather, gather again, reduce-scatter; 4-byte params), less one
-    # gather of the root, which both keep gathered from forward to backward: the same bytes but padding.
-    psi = runs["ours"]["log"]["params"]
-    ours, theirs = runs["ours"]["log"]["bytes_sent_per_step"], runs["torch"]["log"]["bytes_sent_per_step"]
-    assert 2 * 4 * psi / 2 < ours < 3 * 4 * psi / 2
-    assert ours == pytest.approx(theirs, rel=0.01)
+        # FSDP moves 3 Psi (N-1)/N per step (gather, gather again, reduce-scatter; 4-byte params), less one
+        # gather of the root, which both keep gathered from forward to backward: the same bytes but padding.
+        psi, ring = log["params"], (world - 1) / world
+        sent = log["bytes_sent_per_step"]
+        assert 2 * 4 * psi * ring < sent < 3 * 4 * psi * ring, (engine, sent)
+        per_element[engine] = sent / ring
+    assert per_element["ours"] == pytest.approx(per_element["torch"], rel=0.01)
 
 
-def test_two_nodes_of_two_processes(runs: dict[str, dict], tmp_path: Path) -> None:
-    port = free_port()
-    node = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"127.0.0.1:{port}", "--rdzv-id", f"test{port}", "--local-addr", "127.0.0.1", "--max-restarts", "0"]
-    procs = [start([TORCHRUN, *node, "--node-rank", str(k), *TRAIN, "--engine", "ours", "--steps", str(NODE_STEPS),
-                    "--json", str(tmp_path / f"node{k}.json")]) for k in (0, 1)]
-    results = [finish(p) for p in procs]
-    for k, (rc, out, err) in enumerate(results):
-        assert rc == 0, f"node {k} failed:\n{out[-2000:]}\n{err[-4000:]}"
-    logs = [tmp_path / f"node{k}.json" for k in (0, 1)]
-    written = [json.loads(p.read_text()) for p in logs if p.exists()]
-    assert len(written) == 1, "exactly one process (global rank 0) writes the summary"
-    log = written[0]
+def test_two_nodes_of_two_processes(runs: dict[str, dict]) -> None:
+    ours = runs["ours"]
+    assert len(ours["logs"]) == 1, "exactly one process (global rank 0) writes the summary"
+    assert len(ours["ckpts"]) == 1 and ours["ckpts"][0].name == ours["logs"][0].stem.replace("node", "ckpt"), \
+        "the same process (global rank 0) writes the checkpoint"
+    log = ours["log"]
     assert log["world_size"] == 4 and len(log["peak_rss_bytes"]) == 4
-    assert len(log["losses"]) == NODE_STEPS
-    for step, (a, b) in enumerate(zip(log["losses"], runs["ours"]["log"]["losses"][:NODE_STEPS], strict=True)):
-        assert abs(a - b) <= TOL * abs(b), f"step {step}: 4 ranks on 2 nodes {a!r} vs 2 ranks {b!r}"
+    assert re.search(r"summary: engine=ours config=small .*world=4 steps=10 ", ours["stdout"]), ours["stdout"]
 
 
 def test_batch_that_does_not_divide_by_the_world_size() -> None:
@@ -175,14 +189,15 @@ def test_good_values_pass_the_parser() -> None:
     assert (args.steps, args.batch_size, args.log_every, args.lr, args.timeout) == (1, 2, 1, 0.0, 0.5)
 
 
-TINY = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--max-restarts", "0", "-m", "fsdp_course.train",
-        "--engine", "ddp", "--batch-size", "4", "--log-every", "1", "--timeout", "60"]
+TINY = ["-m", "fsdp_course.train", "--engine", "ddp", "--batch-size", "4", "--log-every", "1", "--timeout", "60"]
 
 
 def test_one_step_reports_no_median_instead_of_crashing(tmp_path: Path) -> None:
-    # One step is memory-tracked, none timed: the summary says so instead of statistics.StatisticsError.
-    cmd = [TORCHRUN, "--master-port", str(free_port()), *TINY, "--steps", "1", "--json", str(tmp_path / "log.json")]
-    rc, out, err = finish(start(cmd))  # tiny, but torch starts slowly on a loaded machine
+    # One step is memory-tracked, none timed: the summary says so instead of statistics.StatisticsError. The
+    # number of ranks plays no part: one process, with the environment torchrun gives a world of one.
+    env = {**ENV, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    cmd = [sys.executable, *TINY, "--steps", "1", "--json", str(tmp_path / "log.json")]
+    rc, out, err = finish(start(cmd, env))  # tiny, but torch starts slowly on a loaded machine
     assert rc == 0, f"--steps 1 failed:\n{out[-2000:]}\n{err[-4000:]}"
     assert "summary: engine=ddp" in out and "median step time n/a" in out
     log = json.loads((tmp_path / "log.json").read_text())
@@ -190,7 +205,8 @@ def test_one_step_reports_no_median_instead_of_crashing(tmp_path: Path) -> None:
 
 
 def test_a_diverged_run_says_so_and_fails() -> None:
-    cmd = [TORCHRUN, "--master-port", str(free_port()), *TINY, "--steps", "20", "--lr", "1e6"]
+    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "--max-restarts", "0", *TINY, "--steps", "20", "--lr", "1e6"]
     rc, out, err = finish(start(cmd))  # tiny, but torch starts slowly on a loaded machine
     assert rc != 0, f"a nan loss must fail the run:\n{out[-2000:]}\n{err[-4000:]}"
     assert "the run diverged" in err and "lower --lr" in err
