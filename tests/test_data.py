@@ -72,3 +72,18 @@ def test_split_rejects_bad_arguments():
         train_test_split_digits(test_fraction=1.5)
     with pytest.raises(ValueError, match="kind"):
         train_test_split_digits("pixels")  # type: ignore[arg-type]
+
+
+def test_read_from_scikit_learns_file_equals_load_digits_without_importing_it():
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x, y = digits_tokens()
+    assert torch.equal(x, torch.as_tensor(bunch.data, dtype=torch.long))
+    assert torch.equal(y, torch.as_tensor(bunch.target, dtype=torch.long))
+    code = "import sys; from fsdp_course.data import digits_tokens; digits_tokens(); print('sklearn' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False", "reading the digits imported scikit-learn (seconds per process)"
