@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fsdp_vs_torch import MIB, run  # noqa: E402  (a sibling script)
+from fsdp_vs_torch import MIB, OUT, run  # noqa: E402  (a sibling script)
 
 CELLS = [("ddp", ()), ("torch", ()), ("torch", ("--prefetch",)), ("ours", ()), ("ours", ("--prefetch",))]
 
@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--repeats", type=int, default=1, help="runs per cell, the fastest counts")
     args = p.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
     by: dict[tuple[int, str], dict[str, Any]] = {}
     for n in args.nprocs:
         for _ in range(args.repeats):  # interleaved: a slow minute of the machine hits every cell alike
