@@ -21,11 +21,13 @@ from typing import Any, NoReturn
 
 import torch
 
+from fsdp_course.fsdp.flat_param import padded_numel
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.monitor import CollectiveHang, CollectiveMismatch
 from fsdp_course.runtime.simulate import RankError, run_ranks
 
 __all__ = ["CHECK_TIMEOUT", "CheckFailure", "call_learner", "compare_tensor", "exception_hint", "format_tensor",
+           "padded_flat_grads",
            "learner_frames", "not_implemented", "require_callable", "require_world_sizes", "run_checked"]
 
 LIBRARY_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../fsdp_course/
@@ -68,6 +70,18 @@ def require_world_sizes(world_sizes: Sequence[int]) -> list[int]:
     if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
         raise ValueError(f"world_sizes must be positive ints, got {world_sizes!r}")
     return sizes
+
+
+def padded_flat_grads(numels: Sequence[int], world_size: int, values: Callable[[int], torch.Tensor]
+                      ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Full flat gradients padded for `world_size` (zeros in the padding, `values(numel)` before it), and each rank's
+    shards of them (copies): what the sharded-gradient checkers hand out."""
+    fulls = []
+    for numel in numels:
+        full = torch.zeros(padded_numel(numel, world_size))
+        full[:numel] = values(numel)
+        fulls.append(full)
+    return fulls, [[f.chunk(world_size)[r].clone() for f in fulls] for r in range(world_size)]
 
 
 def format_tensor(t: torch.Tensor, limit: int = 16) -> str:

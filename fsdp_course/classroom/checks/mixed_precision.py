@@ -29,13 +29,13 @@ from fsdp_course.classroom.checks._common import (
     call_learner,
     exception_hint,
     format_tensor,
+    padded_flat_grads,
     require_callable,
     require_world_sizes,
     run_checked,
     scale_ratio,
 )
 from fsdp_course.engines.equivalence import close, max_rel_diff
-from fsdp_course.fsdp.flat_param import padded_numel
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.monitor import CollectiveHang, CollectiveMismatch
 
@@ -51,11 +51,7 @@ CASES = (("no inf or NaN", None), ("an inf on every rank", "inf everywhere"),
 def _inputs(n: int, plant: str | None) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     """The full scaled flat gradients (zeros in the padding), something non-finite planted, and each rank's shards."""
     g = torch.Generator().manual_seed(12)
-    fulls = []
-    for numel in NUMELS:
-        full = torch.zeros(padded_numel(numel, n))
-        full[:numel] = torch.randn(numel, generator=g) * SCALE
-        fulls.append(full)
+    fulls, _ = padded_flat_grads(NUMELS, n, lambda numel: torch.randn(numel, generator=g) * SCALE)
     chunk = fulls[0].numel() // n
     if plant in ("inf", "nan"):  # in the last rank's chunk of the first flat gradient, not in its padding
         fulls[0][(n - 1) * chunk] = float("inf") if plant == "inf" else float("nan")

@@ -27,6 +27,7 @@ from fsdp_course.classroom.checks._common import (
     CheckFailure,
     exception_hint,
     format_tensor,
+    padded_flat_grads,
     require_callable,
     require_world_sizes,
     run_checked,
@@ -40,7 +41,6 @@ from fsdp_course.engines.equivalence import (
     reference_steps,
     seeded_mlp,
 )
-from fsdp_course.fsdp.flat_param import padded_numel
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.monitor import CollectiveHang, CollectiveMismatch
 
@@ -53,13 +53,8 @@ CLIP_CASES = (("clipping", 1.0), ("no clipping", 1e6))
 def _clip_inputs(n: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     """Full padded flat gradients (zeros in the padding), and each rank's shards of them."""
     g = torch.Generator().manual_seed(21)
-    fulls = []
-    for numel in CLIP_NUMELS:
-        padded = padded_numel(numel, n)
-        full = torch.zeros(padded)
-        full[:numel] = torch.randn(numel, generator=g) * torch.linspace(0.1, 3.0, numel)
-        fulls.append(full)
-    return fulls, [[f.chunk(n)[r].clone() for f in fulls] for r in range(n)]
+    return padded_flat_grads(CLIP_NUMELS, n,
+                             lambda numel: torch.randn(numel, generator=g) * torch.linspace(0.1, 3.0, numel))
 
 
 def check_clip_grad_norm(fn: Callable[[RankContext, list[torch.Tensor], float], Any],
