@@ -153,10 +153,6 @@ class FSDP(nn.Module):
                     lambda m, args, kwargs, u=unit: self._pre_forward(u, args, kwargs), with_kwargs=True)
                 unit.module.register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))
 
-    @property
-    def param_dtype(self) -> torch.dtype | None:
-        return self.mp_policy.param_dtype
-
     def _build_handles(self, unit_name: str, uses: list[ParamUse]) -> list[FlatParamHandle]:
         check_same_dtype([(u.name, u.param) for u in uses], f"FSDP unit '{unit_name or 'root'}'")
         handles = []
