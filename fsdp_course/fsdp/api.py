@@ -46,13 +46,13 @@ from torch import nn
 
 from fsdp_course.fsdp import state_dict as fsdp_state_dict
 from fsdp_course.fsdp.common import ShardedState, TrainingState, sharded_away
-from fsdp_course.fsdp.flat_param import FlatParamHandle, FlatParamLayout, check_same_dtype
+from fsdp_course.fsdp.flat_param import CopyCounter, FlatParamHandle, FlatParamLayout, OffloadPolicy, check_same_dtype
 from fsdp_course.fsdp.param_group import CommContext, FSDPUnit, Span
 from fsdp_course.fsdp.policy import MixedPrecision, cast_floating
 from fsdp_course.hooks import queue_after_backward, register_grad_hooks
-from fsdp_course.memory import record_event
+from fsdp_course.memory import HOST, record_event
 
-__all__ = ["FSDP", "MixedPrecision", "ShardedState", "TrainingState"]
+__all__ = ["FSDP", "MixedPrecision", "OffloadPolicy", "ShardedState", "TrainingState"]
 
 STALE_OPTIMIZER = (
     "this optimizer was built before FSDP wrapped the model: its parameters are the original "
@@ -90,6 +90,18 @@ class FSDP(nn.Module):
     the units in the same order. `fsdp.trace` holds the last step's compute spans (`Span`); with the ledger's times
     of every collective they draw the overlap (the root unit has none: its passes enclose every other unit's).
 
+    `mesh=ctx.mesh(replicate=R, shard=S)` (runtime/mesh.py): HSDP, FSDP2's `fully_shard(model, mesh=2-D mesh)`.
+    The flat parameters are padded to a multiple of S and sharded over the shard group (`self.ctx` is then
+    `mesh.shard`; `self.world_ctx` the whole world, which broadcasts the initial values): all-gathers and
+    reduce-scatters (mean) run inside the shard group, then the reduced shard is all-reduced (mean) across the
+    replicate group; the clipping norm is summed over the shard group only (replicas hold equal shards). Each of
+    the N ranks still trains on its own slice of the global batch.
+
+    `offload_policy=OffloadPolicy()` (flat_param.py, torch's `CPUOffloadPolicy`): the shards, their gradients and
+    the optimizer state (built on `parameters()`) live on the host; each all-gather's input is the shard copied to
+    the device, each reduce-scattered gradient chunk is copied back; `fsdp.copies` counts them (a `CopyCounter`) and
+    `fsdp.memory_pools` tells the memory tracker which categories are host memory.
+
     Activation checkpointing (`torch.utils.checkpoint`, non-reentrant) works inside and around wrapped
     modules; frozen parameters (`requires_grad=False`) get their own flat parameter per unit, freed when the
     unit's backward is over; a backward that raised is forgotten at the next forward.
@@ -98,7 +110,8 @@ class FSDP(nn.Module):
     def __init__(self, module: nn.Module, ctx: Any, *, wrap: set[type[nn.Module]] | None = None,
                  init: Callable[[nn.Module], Iterable[tuple[str, dict[str, torch.Tensor]]]] | None = None,
                  reshard_after_forward: bool = True, reshard_root_after_forward: bool = True,
-                 mp_policy: MixedPrecision | None = None, prefetch: int = 0) -> None:
+                 mp_policy: MixedPrecision | None = None, prefetch: int = 0, mesh: Any = None,
+                 offload_policy: OffloadPolicy | None = None) -> None:
         super().__init__()
         if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
             raise TypeError(f"mp_policy must be a fsdp_course.MixedPrecision, e.g. MixedPrecision(param_dtype="
@@ -110,12 +123,23 @@ class FSDP(nn.Module):
             raise ValueError("a module on the meta device has no values: pass init=, e.g. "
                              "init=lambda m: meta_init.materialize(m, seed)")
         template = copy.deepcopy(module) if on_meta else None  # shapes only: costs no storage
+        self.mesh = _check_mesh(mesh, ctx)
+        self.world_ctx = ctx  # the whole world: the initial broadcasts
+        if mesh is not None:  # HSDP: shards, all-gathers, reduce-scatters and the clipping norm in the shard group
+            ctx = mesh.shard
         self.module = module
         self.ctx = ctx
         self.timeline: list[tuple[str, dict[str, int]]] = []
         self.memory_recorder = None
         self.mp_policy = mp_policy or MixedPrecision()
         self.prefetch = prefetch
+        if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+            raise TypeError("offload_policy must be a fsdp_course OffloadPolicy() (fsdp/flat_param.py), got "
+                            f"{type(offload_policy).__name__}")
+        self.offload_policy = offload_policy
+        self.copies = CopyCounter()  # host <-> device copies (offload only)
+        self.memory_pools = dict.fromkeys(("sharded_params", "sharded_grads", "optimizer"), HOST) \
+            if offload_policy is not None else {}
         self.comm = CommContext(reduce_in_flight=1 if prefetch else 0)
         self.trace: list[Span] = []  # the last step's compute spans, per unit and pass
         self._forward_order: list[FSDPUnit] = []  # this step's units, in the order their forward began
@@ -132,6 +156,7 @@ class FSDP(nn.Module):
             for unit_module, unit_name, uses in _group_by_unit(_find_parameters(module, wrap_types), module):
                 handles = self._build_handles(unit_name, uses)
                 self.units.append(FSDPUnit(unit_name, unit_module, handles, ctx,
+                                           replicate=mesh.replicate if mesh is not None else None,
                                            reshard_after_forward=reshard_after_forward,
                                            on_event=lambda what: record_event(self, what),
                                            mp_policy=self.mp_policy, comm=self.comm, on_span=self.trace.append))
@@ -140,7 +165,7 @@ class FSDP(nn.Module):
                 self._fill_from_pieces(init(template))  # type: ignore[misc]  (init checked above)
             else:
                 for _, buf in module.named_buffers():  # buffers: replicated, rank 0's values
-                    ctx.broadcast(buf.data)
+                    self.world_ctx.broadcast(buf.data)
         self.flat_params = nn.ParameterList([h.shard for h in self.handles])
         self.root_unit = next((u for u in self.units if u.module is module), None)
         if self.root_unit is not None:
@@ -166,7 +191,7 @@ class FSDP(nn.Module):
                 local = torch.zeros(layout.shard_numel, dtype=layout.dtype, device=self.ctx.device)
             else:
                 flat = layout.flatten(p.detach() for p in unique).to(unique[0].device)  # (padded_numel,)
-                self.ctx.broadcast(flat, src=0)  # initial values come from rank 0, as in the article
+                self.world_ctx.broadcast(flat, src=0)  # initial values come from rank 0, as in the article
                 local = layout.shard(flat, self.ctx.rank).clone()
             shard = nn.Parameter(local, requires_grad=requires_grad)  # (padded_numel // N,)
             index = {id(p): i for i, p in enumerate(unique)}
@@ -178,7 +203,8 @@ class FSDP(nn.Module):
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 self._originals.append(p)
             handles.append(FlatParamHandle(layout, shard, locations,
-                                           compute_dtype=self.mp_policy.gather_dtype(layout.dtype)))
+                                           compute_dtype=self.mp_policy.gather_dtype(layout.dtype),
+                                           offload=self.copies if self.offload_policy is not None else None))
         return handles
 
     def _fill_from_pieces(self, pieces: Iterable[tuple[str, dict[str, torch.Tensor]]]) -> None:
@@ -379,6 +405,18 @@ class FSDP(nn.Module):
 
     def load_sharded(self, directory: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         fsdp_state_dict.load_sharded(self, directory, optimizer)
+
+
+def _check_mesh(mesh: Any, ctx: Any) -> Any:
+    """`mesh` must be this rank's `ctx.mesh(replicate=R, shard=S)` (runtime/mesh.py), or None."""
+    if mesh is None:
+        return None
+    if not all(hasattr(mesh, a) for a in ("shard", "replicate", "world")):
+        raise TypeError(f"mesh must come from ctx.mesh(replicate=R, shard=S), got {type(mesh).__name__}")
+    if mesh.world is not ctx:
+        raise ValueError("mesh was made from another rank context: pass mesh=ctx.mesh(replicate=R, shard=S) "
+                         "of the ctx given to FSDP")
+    return mesh
 
 
 def _warn_unused_wrap(root: nn.Module, wrap: tuple[type, ...], units: list[FSDPUnit]) -> None:

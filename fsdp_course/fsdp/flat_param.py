@@ -12,6 +12,15 @@ Three pieces: `FlatParamLayout` (where each parameter lives: flatten, pad, shard
 it issues no collective, the unit does) and `FlatGrads` (DDP's and ZeRO-1's flat gradient buffer, `p.grad` its
 views). The words are in the glossary of fsdp_course/fsdp/__init__.py.
 
+CPU offload (`OffloadPolicy`, torch's `CPUOffloadPolicy`: torch/distributed/fsdp/_fully_shard/_fsdp_api.py and
+_fsdp_param.py): the shard, its gradient and the optimizer state live in host memory. `all_gather_input()` copies
+the host shard into a fresh device tensor before the all-gather (torch: `sharded_param_data.to(device)` in
+`FSDPParam.all_gather_inputs`), and `grad_to_host()` copies the reduce-scattered gradient chunk into a fresh host
+tensor (torch: `new_sharded_grad.to(cpu)` in `foreach_reduce`); the optimizer then steps on the host. On a CPU-only
+machine both pools are CPU memory: the copies are still real copies (distinct storages), counted in a
+`CopyCounter` (bytes host-to-device and device-to-host), and the memory tracker files the shards, their gradients
+and the optimizer state under the "host" pool.
+
 Why pad: the article computes `shardSize = ceil(total / worldSize)` and lets the last rank keep a
 shorter slice, but its AllGather / ReduceScatter need equal chunks (Gloo does too), so any model
 whose size does not divide by the world size breaks.  Here the buffer is padded with zeros to
@@ -21,7 +30,7 @@ whose size does not divide by the world size breaks.  Here the buffer is padded 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -204,6 +213,46 @@ def shard_parameters(
     return layout, local
 
 
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """FSDP's CPU offload (the name mirrors torch's `CPUOffloadPolicy`): `FSDP(..., offload_policy=OffloadPolicy())`.
+
+    Sharded parameters, their gradients and the optimizer state live on the host; each all-gather's input is the
+    host shard copied to the device, each reduce-scattered gradient chunk is copied back to the host, and the
+    optimizer steps there. torch's `pin_memory` (page-locked host memory for asynchronous copies) has no field
+    here: pinning needs an accelerator, and these copies are synchronous."""
+
+
+@dataclass
+class CopyCounter:
+    """Copies between host and device memory: how many, and their bytes (`reset()` at the start of a step)."""
+
+    h2d: int = 0  # copies host -> device (a shard before its all-gather)
+    d2h: int = 0  # copies device -> host (a reduce-scattered gradient chunk)
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    shapes: list[tuple[str, int]] = field(default_factory=list)  # ("h2d" | "d2h", numel) per copy, in order
+
+    def count(self, direction: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if direction == "h2d":
+            self.h2d, self.h2d_bytes = self.h2d + 1, self.h2d_bytes + nbytes
+        else:
+            self.d2h, self.d2h_bytes = self.d2h + 1, self.d2h_bytes + nbytes
+        self.shapes.append((direction, t.numel()))
+
+    def reset(self) -> None:
+        self.h2d = self.d2h = self.h2d_bytes = self.d2h_bytes = 0
+        self.shapes.clear()
+
+
+def copy_to(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A copy of `t` in a fresh storage (the other pool's memory): what `.to(device)` does across devices."""
+    out = torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
 class FlatParamHandle:
     """One flat parameter of an FSDP unit: its layout, this rank's `shard` and the `unsharded` buffer.
 
@@ -213,8 +262,10 @@ class FlatParamHandle:
     """
 
     def __init__(self, layout: FlatParamLayout, shard: nn.Parameter,
-                 locations: list[list[tuple[nn.Module, str]]], compute_dtype: torch.dtype | None = None) -> None:
+                 locations: list[list[tuple[nn.Module, str]]], compute_dtype: torch.dtype | None = None,
+                 offload: CopyCounter | None = None) -> None:
         self.layout = layout
+        self.offload = offload  # CPU offload: the shard is on the host, copies go through (and are counted in) it
         self.shard = shard  # (padded_numel // world_size,) the local shard, an nn.Parameter the optimizer steps
         self.requires_grad = shard.requires_grad
         # mixed precision: the unsharded buffer, its views and its gradient are in compute_dtype, the shard is not
@@ -233,9 +284,23 @@ class FlatParamHandle:
         ]
 
     def all_gather_input(self) -> torch.Tensor:
-        """What this rank contributes to the all-gather: its shard, cast to the compute dtype (mixed precision)."""
+        """What this rank contributes to the all-gather: its shard, cast to the compute dtype (mixed precision).
+
+        With offload, the host shard is first copied into a fresh device tensor (counted host -> device)."""
         shard = self.shard.detach()
+        if self.offload is not None:
+            shard = copy_to(shard)  # (padded_numel // N,) on the device, freed once the all-gather has read it
+            self.offload.count("h2d", shard)
         return shard if shard.dtype == self.compute_dtype else shard.to(self.compute_dtype)
+
+    def grad_to_host(self, grad: torch.Tensor) -> torch.Tensor:
+        """The reduce-scattered gradient chunk where the shard lives: with offload, a fresh host copy (counted
+        device -> host); without, `grad` itself."""
+        if self.offload is None:
+            return grad
+        host = copy_to(grad)  # (padded_numel // N,) on the host, beside the shard the optimizer steps
+        self.offload.count("d2h", host)
+        return host
 
     @property
     def is_unsharded(self) -> bool:

@@ -14,7 +14,8 @@ calls these methods:
                      attributes at views, so that a forward recomputed by activation checkpointing
                      finds the parameters                                              (backward)
   post_backward      per flat parameter, when its gradient is complete: reduce-scatter it (mean over
-                     ranks) into the shard's .grad and free it; when the gradient of the unit's inputs
+                     ranks; HSDP: then all-reduce the chunk, mean over the replicate group) into the
+                     shard's .grad and free it; when the gradient of the unit's inputs
                      arrives (the unit's backward is over): free the frozen flat parameter as well
   finalize_backward  at the end of the whole backward: reduce what was not reduced (a unit unused on
                      this rank), reshard everything, back to IDLE
@@ -98,12 +99,13 @@ class FSDPUnit:
     def __init__(self, name: str, module: nn.Module, handles: list[FlatParamHandle], ctx: Any, *,
                  reshard_after_forward: bool = True, on_event: Callable[[str], None] | None = None,
                  mp_policy: MixedPrecision | None = None, comm: CommContext | None = None,
-                 on_span: Callable[[Span], None] | None = None) -> None:
+                 on_span: Callable[[Span], None] | None = None, replicate: Any = None) -> None:
         self.name = name  # module path, "" for the root
         self.label = name or "root"
         self.module = module
         self.handles = handles
         self.ctx = ctx
+        self.replicate = replicate  # HSDP: the replicate group's context, which all-reduces the reduced shard
         self.reshard_after_forward = reshard_after_forward  # False: stay gathered from forward to backward
         self.reduce_grads = True  # False: keep unsharded gradients (set_requires_gradient_sync(False))
         self.sharded_state = ShardedState.SHARDED
@@ -274,6 +276,9 @@ class FSDPUnit:
 
         def finish() -> None:
             local = work.wait() if async_op else work
+            if self.replicate is not None:  # HSDP: mean across the replicas of this shard (FSDP2's order)
+                self.replicate.all_reduce(local, op="mean")
+            local = h.grad_to_host(local)  # CPU offload: a host copy, beside the shard (else `local` itself)
             if local.dtype != h.shard.dtype:
                 local = local.to(h.shard.dtype)
             if unused_here and not local.any():

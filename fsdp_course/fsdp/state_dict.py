@@ -46,6 +46,15 @@ def rank_file(rank: int) -> str:
     return f"shard_rank{rank}.pt"
 
 
+def _refuse_mesh(fsdp: FSDP, what: str) -> None:
+    """The sharded format is one file per shard rank: under HSDP every replica holds the same shards and would
+    write the same files at once. Every rank has the same mesh, so all raise and none waits."""
+    if getattr(fsdp, "mesh", None) is not None:
+        raise ValueError(f"{what}: this FSDP runs HSDP (mesh=...), whose replicas would all write the same shard "
+                         "files; save fsdp.full_state_dict() (gathered in the shard group) instead and load it with "
+                         "load_full_state_dict")
+
+
 @torch.no_grad()
 def full_state_dict(fsdp: FSDP) -> dict[str, torch.Tensor]:
     """Full parameters and buffers, keyed as the wrapped module's state_dict(), on every rank."""
@@ -101,6 +110,7 @@ def save_sharded(fsdp: FSDP, directory: str, optimizer: torch.optim.Optimizer | 
     The metadata records each rank file's size and sha256, so that load_sharded can tell a truncated,
     corrupted or swapped file from a good one (the ranks all_gather their digests for rank 0).
     """
+    _refuse_mesh(fsdp, "save_sharded")
     os.makedirs(directory, exist_ok=True)
     payload = {
         "rank": fsdp.ctx.rank,
@@ -144,6 +154,7 @@ def load_sharded(fsdp: FSDP, directory: str, optimizer: torch.optim.Optimizer | 
     rank; every shape and dtype), then the ranks agree with one all_reduce before anything is
     written: a bad checkpoint raises on every rank (no rank is left waiting) and changes nothing.
     """
+    _refuse_mesh(fsdp, "load_sharded")
     try:
         payload, error = _read_checked(fsdp, directory, optimizer), None
     except Exception as exc:  # any: a rank that raised here alone would leave the others waiting below

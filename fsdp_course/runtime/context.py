@@ -10,6 +10,10 @@ function runs in two places unchanged:
 
 The article builds the same pieces by hand in Java: `new FileStore(path, worldSize)` and
 `new ProcessGroupGloo(store, rank, worldSize, options)`.
+
+`ctx.mesh(replicate=R, shard=S)` splits the world into an (R, S) mesh for HSDP (mesh.py): two more real groups per
+rank, each with its own context. Simulated: `ProcessGroupGloo`s over `PrefixStore`s of the run's store, as
+`torch.distributed.new_group` builds them; under torchrun: `new_group`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.distributed as dist
 
 from fsdp_course.runtime import collectives
 from fsdp_course.runtime.ledger import Ledger
+from fsdp_course.runtime.mesh import INTER, INTRA, GroupLedger, Mesh, check_mesh_shape, mesh_groups
 from fsdp_course.runtime.monitor import Signature, WorldMonitor
 
 __all__ = ["RankContext", "gloo_group"]
@@ -56,7 +61,7 @@ class RankContext:
 
     def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup, *,
                  device: torch.device | None = None, seed: int = 0,
-                 monitor: WorldMonitor | None = None) -> None:
+                 monitor: WorldMonitor | None = None, store: dist.Store | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.group = group
@@ -68,9 +73,15 @@ class RankContext:
         self._monitor = monitor
         self._seq = 0
         self._started: dict[int, float] = {}  # seq -> perf_counter when the collective started
+        self.store = store  # the run's store (simulated worlds): subgroups are built on prefixes of it
+        self.parent: RankContext | None = None  # the world's context, for a subgroup's (mesh)
+        self.subgroups: list[dist.ProcessGroup] = []  # groups made by mesh(): run_ranks shuts them down
+        self._meshes = 0  # mesh() calls so far: each gets fresh store prefixes
 
     def __repr__(self) -> str:
         kind = "simulated thread" if self.simulated else "process"
+        if isinstance(self.ledger, GroupLedger):
+            kind += f", {self.ledger.kind} over world ranks {self.ledger.ranks}"
         return f"RankContext(rank={self.rank}, world_size={self.world_size}, {kind}, device={self.device})"
 
     # -- the bookkeeping around every collective -----------------------------------------------
@@ -101,33 +112,103 @@ class RankContext:
 
     # -- collectives (see collectives.py) ------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copy rank `src`'s `tensor` into `tensor` on every rank. In place: every rank passes a tensor of the same
+        shape and dtype, and rank `src`'s values overwrite the others'. Returns `tensor`. The ledger records the
+        tensor's bytes as the payload (the chain: every rank but `src` receives it once)."""
         return collectives.broadcast(self, tensor, src)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce `tensor` elementwise over all ranks and leave the result on every rank. In place: `tensor` is
+        overwritten (clone it first to keep your input); returns it. `op`: "sum", "mean" (floating point only) or
+        "max". The ledger records the tensor's bytes as the payload: 2 (N-1)/N of it sent per rank (the ring)."""
         return collectives.all_reduce(self, tensor, op)
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None, *, async_op: bool = False) -> Any:
+        """Concatenate every rank's `tensor` along dim 0, in rank order. Not in place: `tensor` is unchanged and a
+        new tensor of shape (N * tensor.shape[0], ...) is returned, or `out` (of that shape and dtype) is filled and
+        returned. Every rank's `tensor` must have the same shape. `async_op=True` returns a `CollectiveWork` whose
+        `wait()` returns the gathered tensor. The ledger records the output's bytes as the payload: (N-1)/N of it
+        sent per rank."""
         return collectives.all_gather(self, tensor, out, async_op=async_op)
 
     def reduce_scatter(self, tensor: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None, *,
                        async_op: bool = False) -> Any:
+        """Reduce `tensor` over all ranks ("sum" or "mean"), split the result into N equal chunks along dim 0, and
+        return this rank's chunk (rank r gets chunk r). Not in place: `tensor` is unchanged; a new tensor of shape
+        (tensor.shape[0] // N, ...) is returned, or `out` is filled and returned. `tensor.shape[0]` must divide by N
+        (pad first). `async_op=True` returns a `CollectiveWork` whose `wait()` returns the chunk. The ledger records
+        the input's bytes as the payload: (N-1)/N of it sent per rank."""
         return collectives.reduce_scatter(self, tensor, op, out, async_op=async_op)
 
     def barrier(self) -> None:
+        """Wait until every rank has reached this point. The ledger records it with no bytes."""
         collectives.barrier(self)
 
     # -- point to point (see collectives.py): the referee names a deadlock when Gloo times out ---------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Send `tensor` to rank `dst` and block until rank `dst` has received it (so a ring where every rank sends
+        first deadlocks: post the receive first, or use isend/irecv). `tensor` is unchanged. Not in the ledger."""
         collectives.send(self, tensor, dst, tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        """Receive from rank `src` into `tensor`, overwriting it (add it to a sum yourself); blocks until it arrives;
+        returns `tensor`. Shape, dtype and tag must match the sender's. Not in the ledger."""
         return collectives.recv(self, tensor, src, tag)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> collectives.P2PWork:
+        """Start sending `tensor` to rank `dst` and return at once; call `.wait()` on the result before changing or
+        reusing `tensor`. Not in the ledger."""
         return collectives.isend(self, tensor, dst, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> collectives.P2PWork:
+        """Start receiving from rank `src` into `tensor` and return at once; `tensor` holds the values (overwritten)
+        after `.wait()` on the result. Not in the ledger."""
         return collectives.irecv(self, tensor, src, tag)
+
+    # -- a 2-D mesh for HSDP (mesh.py) ---------------------------------------------------------
+    def mesh(self, replicate: int, shard: int) -> Mesh:
+        """Split the world into an (replicate, shard) mesh, rank = r * shard + s (init_device_mesh's order).
+
+        A collective call: every rank calls it, with the same arguments. Returns a `Mesh` whose `.shard` and
+        `.replicate` are contexts over this rank's row and column, each a real process group with its own ledger
+        ("intra-group", "inter-group") and, simulated, its own referee. Raises ValueError unless
+        replicate x shard == world_size, both positive.
+        """
+        if self.parent is not None:
+            raise ValueError("mesh: call it on the world's context, not on a subgroup's")
+        replicate, shard = check_mesh_shape(replicate, shard, self.world_size)
+        rows, columns = mesh_groups(replicate, shard)
+        r, s = divmod(self.rank, shard)
+        index, self._meshes = self._meshes, self._meshes + 1
+        suffix = "" if index == 0 else f" of mesh #{index + 1}"
+        made = {}
+        for kind, groups, mine in ((INTRA, rows, r), (INTER, columns, s)):
+            ranks = groups[mine]
+            local = ranks.index(self.rank)
+            name = f"{'shard' if kind == INTRA else 'replicate'} group {ranks}{suffix}"
+            monitor = None
+            if self.simulated:
+                if self.store is None:
+                    raise RuntimeError("mesh: this simulated context has no store to build subgroups on")
+                assert self._monitor is not None
+                timeout = self._monitor.timeout
+                prefix = f"fsdp_course/mesh{index}/{kind}/{mine}"
+                group = gloo_group(dist.PrefixStore(prefix, self.store), local, len(ranks), timeout)
+                monitor = self._monitor.child(name, ranks)
+            else:  # every rank creates every group, in the same order (new_group's rule)
+                group = None
+                for candidate in groups:
+                    made_here = dist.new_group(candidate)
+                    if candidate is ranks:
+                        group = made_here
+            self.subgroups.append(group)
+            sub = RankContext(local, len(ranks), group, device=self.device, monitor=monitor)
+            sub.simulated = self.simulated
+            sub.generator = self.generator
+            sub.parent = self
+            sub.ledger = GroupLedger(local, len(ranks), kind, ranks)
+            made[kind] = sub
+        return Mesh(self, replicate, shard, shard=made[INTRA], replicate=made[INTER])
 
     # -- a real process under torchrun ---------------------------------------------------------
     @classmethod
@@ -159,6 +240,7 @@ class RankContext:
         return cls(rank, world_size, group, device=device, seed=seed)
 
     def close(self) -> None:
-        """Leave the world joined by `from_env` (a no-op for simulated ranks: run_ranks cleans up)."""
-        if not self.simulated and dist.is_initialized():
+        """Leave the world joined by `from_env` (a no-op for simulated ranks, whom run_ranks cleans up, and for a
+        mesh's subgroup contexts)."""
+        if self.parent is None and not self.simulated and dist.is_initialized():
             dist.destroy_process_group()

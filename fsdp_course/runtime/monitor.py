@@ -12,6 +12,10 @@ posted theirs. Then:
 
 Only then does the real Gloo collective run, so it never hangs on a mismatch. This is the same idea
 as PyTorch's `TORCH_DISTRIBUTED_DEBUG=DETAIL` collective fingerprinting, done in shared memory.
+
+A subgroup (a row or column of a 2-D mesh, mesh.py) gets its own referee, `monitor.child(name, ranks)`: the same
+rendezvous over the group's members, numbered by their rank in the group. It shares the world's abort flag, learns
+when a member rank of the world ends, and writes its members' states into the world's report.
 """
 
 from __future__ import annotations
@@ -54,10 +58,15 @@ class PeerFailed(RuntimeError):
 class WorldMonitor:
     """Shared by the rank threads of one `run_ranks` call."""
 
-    def __init__(self, world_size: int, timeout: float) -> None:
+    def __init__(self, world_size: int, timeout: float, *, parent: WorldMonitor | None = None,
+                 ranks: list[int] | None = None, name: str = "") -> None:
         self.world_size = world_size
         self.timeout = timeout
-        self.abort = threading.Event()
+        self.parent = parent  # the world's referee, for a subgroup's
+        self.ranks = list(ranks) if ranks is not None else list(range(world_size))  # member i is world rank ranks[i]
+        self.name = name  # e.g. "shard group [0, 1]"
+        self.abort = parent.abort if parent is not None else threading.Event()
+        self._children: dict[str, WorldMonitor] = {}
         self.first_end: float | None = None  # time.monotonic() when the first rank finished or failed
         self._cond = threading.Condition()
         self._posted: dict[int, dict[int, Signature]] = {}  # seq -> rank -> signature
@@ -77,6 +86,7 @@ class WorldMonitor:
             self._state[rank] = f"finished after {self._done[rank]} collective(s)"
             self._terminal[rank] = True
             self._cond.notify_all()
+        self._tell_children(rank, None)
 
     def set_failed(self, rank: int, exc: BaseException) -> None:
         with self._cond:
@@ -86,23 +96,54 @@ class WorldMonitor:
             if not isinstance(exc, (PeerFailed, CollectiveHang, CollectiveMismatch)):
                 self.abort.set()
             self._cond.notify_all()
+        self._tell_children(rank, exc)
 
     def collective_done(self, rank: int, sig: Signature) -> None:
         with self._cond:
             self._done[rank] += 1
-            self._state[rank] = f"running, last finished {sig.op} #{sig.seq}"
+            self._set_state(rank, f"running, last finished {sig.op} #{sig.seq}")
 
     def report(self) -> str:
-        return "\n".join(f"  rank {r}: {s}" for r, s in enumerate(self._state))
+        return "\n".join(f"  rank {r}{self._who(r)}: {s}" for r, s in enumerate(self._state))
+
+    # -- subgroups ---------------------------------------------------------------------------------
+    def child(self, name: str, ranks: list[int]) -> WorldMonitor:
+        """The referee of the subgroup `name` made of world ranks `ranks` (every member gets the same object)."""
+        with self._cond:
+            sub = self._children.get(name)
+            if sub is None:
+                sub = WorldMonitor(len(ranks), self.timeout, parent=self, ranks=ranks, name=name)
+                sub._terminal = [self._terminal[g] for g in ranks]  # a member that already ended
+                self._children[name] = sub
+            elif sub.ranks != list(ranks):
+                raise CollectiveMismatch(f"{name}: ranks {list(ranks)} here, {sub.ranks} on another rank")
+            return sub
+
+    def _tell_children(self, rank: int, exc: BaseException | None) -> None:
+        """World rank `rank` ended: every subgroup it belongs to learns it (outside this referee's lock)."""
+        with self._cond:
+            children = [c for c in self._children.values() if rank in c.ranks]
+        for sub in children:
+            local = sub.ranks.index(rank)
+            sub.set_finished(local) if exc is None else sub.set_failed(local, exc)
+
+    def _who(self, rank: int) -> str:
+        return f" (world rank {self.ranks[rank]})" if self.parent is not None else ""
+
+    def _set_state(self, rank: int, text: str) -> None:
+        """Called with the lock held; a subgroup's state shows in the world's report too (a plain list store)."""
+        self._state[rank] = text
+        if self.parent is not None:
+            self.parent._state[self.ranks[rank]] = f"{text} in the {self.name}"
 
     # -- point-to-point: no rendezvous (a send and its recv are different calls), only states -------------
     def p2p_waiting(self, rank: int, what: str) -> None:
         with self._cond:
-            self._state[rank] = f"waiting in {what}"
+            self._set_state(rank, f"waiting in {what}")
 
     def p2p_done(self, rank: int, what: str) -> None:
         with self._cond:
-            self._state[rank] = f"running, last finished {what}"
+            self._set_state(rank, f"running, last finished {what}")
 
     def p2p_diagnosis(self) -> str:
         """Why a send or recv timed out, from every rank's state: a named deadlock, or the list of states."""
@@ -131,7 +172,7 @@ class WorldMonitor:
         with self._cond:
             posted = self._posted.setdefault(sig.seq, {})
             posted[rank] = sig
-            self._state[rank] = f"waiting in {sig.describe()}"
+            self._set_state(rank, f"waiting in {sig.describe()}")
             self._cond.notify_all()
             try:
                 while len(posted) < self.world_size:
@@ -140,18 +181,19 @@ class WorldMonitor:
                     missing = [r for r in range(self.world_size) if r not in posted]
                     if all(self._terminal[r] for r in missing):
                         raise CollectiveHang(
-                            f"{sig.op} #{sig.seq} can never complete: rank(s) "
+                            f"{sig.op} #{sig.seq}{self._where()} can never complete: rank(s) "
                             f"{', '.join(map(str, missing))} ended without joining it.\n{self.report()}")
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise CollectiveHang(
-                            f"timed out after {self.timeout:g} s in {sig.op} #{sig.seq}: rank(s) "
+                            f"timed out after {self.timeout:g} s in {sig.op} #{sig.seq}{self._where()}: rank(s) "
                             f"{', '.join(map(str, missing))} never joined it.\n{self.report()}")
                     self._cond.wait(min(remaining, 0.5))
                 if len(set(posted.values())) > 1:  # any field differs: op, seq, shapes, dtype, op/src
-                    lines = "\n".join(f"  rank {r}: {posted[r].describe()}" for r in sorted(posted))
-                    raise CollectiveMismatch(f"collective mismatch at call #{sig.seq}:\n{lines}")
-                self._state[rank] = f"in {sig.describe()}"
+                    lines = "\n".join(f"  rank {r}{self._who(r)}: {posted[r].describe()}" for r in sorted(posted))
+                    where = f" in the {self.name}" if self.name else ""
+                    raise CollectiveMismatch(f"collective mismatch{where} at call #{sig.seq}:\n{lines}")
+                self._set_state(rank, f"in {sig.describe()}")
             except BaseException:
                 if len(posted) < self.world_size:
                     del posted[rank]  # withdraw: a late peer must not run the real collective alone
@@ -160,3 +202,6 @@ class WorldMonitor:
                 self._left[sig.seq] = self._left.get(sig.seq, 0) + 1
                 if self._left[sig.seq] == self.world_size:
                     del self._posted[sig.seq], self._left[sig.seq]
+
+    def _where(self) -> str:
+        return f" of the {self.name}" if self.name else ""

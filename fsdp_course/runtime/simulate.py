@@ -104,6 +104,7 @@ def run_ranks(fn: Callable[[RankContext], Any], world_size: int, *, timeout: flo
     failures: dict[int, BaseException] = {}
     tracebacks: dict[int, str] = {}
     groups: list[dist.ProcessGroup | None] = [None] * world_size
+    subgroups: list[list[dist.ProcessGroup]] = [[] for _ in range(world_size)]  # made by ctx.mesh()
 
     def body(rank: int, capture: capture_ranks) -> None:
         capture.register(rank)
@@ -118,7 +119,8 @@ def run_ranks(fn: Callable[[RankContext], Any], world_size: int, *, timeout: flo
                     f"(Gloo: {str(exc).splitlines()[0]}). Is the machine overloaded, or does a firewall block "
                     "127.0.0.1? Close other kernels and try again") from exc
             groups[rank] = group
-            ctx = RankContext(rank, world_size, group, seed=seed, monitor=monitor)
+            ctx = RankContext(rank, world_size, group, seed=seed, monitor=monitor, store=store)
+            subgroups[rank] = ctx.subgroups
             results[rank] = fn(ctx)
             monitor.set_finished(rank)
         except BaseException as exc:  # noqa: BLE001  (reported to the caller as RankError)
@@ -145,10 +147,11 @@ def run_ranks(fn: Callable[[RankContext], Any], world_size: int, *, timeout: flo
             doing = {r: _whereabouts(threads[r], monitor.state(r)) for r in stuck}
             capture.replay()
     if not stuck:
-        for group in groups:
+        for group in [g for mine in subgroups for g in mine] + groups:
             if group is not None:
                 group.shutdown()
     groups.clear()
+    subgroups.clear()
     if failures:
         gc.collect()  # exceptions and their frames hold stores and groups in cycles
     shutil.rmtree(workdir, ignore_errors=True)
