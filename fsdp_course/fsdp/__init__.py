@@ -9,6 +9,8 @@
   grad_scaler.py  fp16 loss scaling, global found-inf check      torch/distributed/fsdp/sharded_grad_scaler.py
   per_param.py    FSDP2's layout: per-parameter dim-0 shards     _fsdp_param.py, _fsdp_collectives.py
   state_dict.py   full and sharded checkpoints                   FSDP2: DTensor state dicts (DCP reads them)
+  dcp.py          DCP checkpoints: Shard(0) DTensors per         torch/distributed/checkpoint/,
+                  parameter, resharded at any world size         checkpoint/state_dict.py (get_state_dict)
   meta_init.py    initialization without the whole model         _fsdp_init.py, reset_parameters on meta
 
 Glossary (after FSDP2's "[Note: FSDP tensors]" in _fsdp_param.py, which names the tensors an FSDPParam holds):

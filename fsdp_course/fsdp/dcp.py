@@ -1,0 +1,500 @@
+"""Checkpoints PyTorch reads: the course's FSDP through `torch.distributed.checkpoint` (DCP).
+
+state_dict.py saves a full state dict (any world size, but one rank holds everything) or the course's own
+sharded format (one file per rank, cut for one world size). PyTorch's FSDP2 (`fully_shard`) saves neither: its
+state dict holds every parameter as a DTensor on a 1-D device mesh with placement `Shard(0)` (rank r holds
+rows chunk r of `torch.chunk(param, N, dim=0)`: c = ceil(dim0 / N) rows each, the last ranks fewer or none), and
+`torch.distributed.checkpoint.save` writes each rank's chunks into its own `.distcp` file plus one `.metadata`
+that records every tensor's global shape and which chunk lives where. `torch.distributed.checkpoint.load` fills a
+state dict of DTensors laid out for *this* run, reading whatever saved chunks overlap each local chunk: that is
+what lets a checkpoint saved at N ranks load at M, and one saved by `fully_shard` load into this FSDP.
+
+This module converts between the two layouts, one flat parameter (one unit) at a time, never the whole model:
+  - `model_state_dict(fsdp)`: gather a unit's flat parameter, cut each parameter's dim-0 chunk for this rank, wrap
+    it as a DTensor (what `torch.distributed.checkpoint.state_dict.get_model_state_dict` returns for fully_shard),
+    free the gathered buffer; buffers stay plain tensors (replicated), as there;
+  - `optimizer_state_dict(fsdp, optimizer)`: the same cut for the optimizer state of each flat shard (Adam's
+    exp_avg / exp_avg_sq, SGD's momentum_buffer), keyed by parameter name (`get_optimizer_state_dict`'s layout:
+    {"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}); a scalar such as Adam's `step` is
+    repeated under every parameter of the flat shard;
+  - `save(fsdp, optimizer, path)`: `torch.distributed.checkpoint.save({"model": ..., "optim": ...})`;
+  - `load(fsdp, optimizer, path)`: build the same layout for this run, `torch.distributed.checkpoint.load` into it,
+    then per flat parameter gather the loaded chunks (one all-gather, FSDP2's copy-in / copy-out of per_param.py),
+    flatten, and keep this rank's flat shard. Nothing is written into the model or the optimizer before the load
+    succeeded everywhere: a bad checkpoint raises `CheckpointError` on every rank and changes nothing.
+
+The top-level keys "model" and "optim" are the ones torch's DCP tutorial uses; a fully_shard model saved as
+`dcp.save({"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)}, checkpoint_id=path)`
+loads with `load`, and what `save` writes loads into fully_shard with `dcp.load` + `set_model_state_dict` /
+`set_optimizer_state_dict`. All functions are collectives: call them on every rank. Source followed:
+torch/distributed/checkpoint/{state_dict.py, default_planner.py, filesystem.py} (torch 2.13).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as torch_dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp_course.fsdp.flat_param import FlatParamHandle, FlatParamLayout
+from fsdp_course.fsdp.per_param import DimZeroShard, PerParamLayout, all_gather_params
+from fsdp_course.fsdp.state_dict import FORMAT as COURSE_FORMAT
+from fsdp_course.fsdp.state_dict import FSDP
+from fsdp_course.fsdp.state_dict import METADATA as COURSE_METADATA
+
+__all__ = ["CheckpointError", "MODEL_KEY", "OPTIM_KEY", "device_mesh", "dim0_chunks", "init_optimizer_state",
+           "load", "model_state_dict", "optimizer_state_dict", "save"]
+
+MODEL_KEY = "model"
+OPTIM_KEY = "optim"
+DCP_METADATA = ".metadata"  # torch's FileSystemWriter: one per checkpoint, beside one .distcp file per rank
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded into this model: what is wrong and what to do (DCP's own error, when
+    there is one, is the `__cause__`)."""
+
+
+# -- the layout: one flat parameter <-> per-parameter Shard(0) chunks ---------------------------------------------
+def device_mesh(fsdp: FSDP) -> DeviceMesh:
+    """The 1-D device mesh over the FSDP's world (its process group), as fully_shard builds by default."""
+    if getattr(fsdp, "mesh", None) is not None:  # every rank has the same mesh: all raise, none waits
+        raise CheckpointError(
+            "DCP checkpoints of an HSDP model (FSDP(..., mesh=...)) are not built here: its parameters would be "
+            "(Replicate(), Shard(0)) DTensors on the 2-D mesh. Save fsdp.full_state_dict() instead (it gathers in "
+            "the shard group; load it with load_full_state_dict at any world size), or checkpoint a 1-D FSDP")
+    return DeviceMesh.from_group(fsdp.ctx.group, fsdp.ctx.device.type)
+
+
+def dim0_chunks(layout: FlatParamLayout, flat: torch.Tensor, rank: int, world_size: int) -> list[torch.Tensor]:
+    """Cut a gathered flat parameter `flat` (padded_numel,) into rank `rank`'s dim-0 chunk of each parameter.
+
+    Parameter p of shape (d0, ...) gives rows [r * c, min((r + 1) * c, d0)) with c = ceil(d0 / world_size):
+    torch.chunk's r-th chunk, empty (0, ...) when torch.chunk has fewer than world_size chunks. Copies, in
+    `layout.infos` order; the flat parameter's padding is dropped (FSDP2 pads each parameter's chunk instead).
+    """
+    out = []
+    for info, view in zip(layout.infos, layout.unflatten(flat), strict=True):
+        if view.dim() == 0:
+            raise ValueError(f"{info.name}: a 0-dim parameter has no dim 0 to shard (fully_shard refuses it too)")
+        start, end = DimZeroShard(info.name, info.shape, world_size).row_range(rank)
+        out.append(view[start:end].clone())  # (rows, *shape[1:])
+    return out
+
+
+def _dtensor(local: torch.Tensor, shape: torch.Size, mesh: DeviceMesh) -> DTensor:
+    """This rank's dim-0 chunk `local` of a tensor of global `shape`, as fully_shard's DTensor (Shard(0))."""
+    stride = torch.empty(shape, device="meta").stride()  # the full tensor's contiguous strides
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+
+
+def _gather_flat(fsdp: FSDP, local: torch.Tensor) -> torch.Tensor:
+    """One flat shard (or a state tensor shaped like it) of every rank, end to end: (padded_numel,)."""
+    return fsdp.ctx.all_gather(local.detach().contiguous())
+
+
+def _cut(fsdp: FSDP, h: FlatParamHandle, local: torch.Tensor, mesh: DeviceMesh) -> list[DTensor]:
+    """Gather one flat tensor shaped like `h.shard`, cut it into per-parameter DTensors, free the gathered copy."""
+    full = _gather_flat(fsdp, local)  # (padded_numel,): one unit's flat parameter, gathered
+    chunks = dim0_chunks(h.layout, full, fsdp.ctx.rank, fsdp.ctx.world_size)
+    del full
+    return [_dtensor(c, info.shape, mesh) for c, info in zip(chunks, h.layout.infos, strict=True)]
+
+
+def _uncut(fsdp: FSDP, h: FlatParamHandle, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The reverse of `_cut`: this rank's flat shard (shard_numel,) from each parameter's loaded DTensor.
+
+    One all-gather of the unit's padded chunks (FSDP2's copy-in / copy-out, per_param.py) rebuilds the full
+    parameters; flattened and padded as `h.layout` says, this rank keeps its contiguous piece."""
+    n, rank = fsdp.ctx.world_size, fsdp.ctx.rank
+    layout = PerParamLayout.build([(i.name, torch.empty(i.shape, dtype=t.dtype, device="meta"))
+                                   for i, t in zip(h.layout.infos, tensors, strict=True)], n)
+    padded = []
+    for spec, t in zip(layout.specs, tensors, strict=True):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        chunk = torch.zeros(spec.padded_shape, dtype=local.dtype, device=h.shard.device)  # (c, *shape[1:])
+        chunk[: spec.local_rows(rank)].copy_(local)
+        padded.append(chunk)
+    full = all_gather_params(fsdp.ctx, layout, padded)  # every parameter whole, for this unit only
+    flat = h.layout.flatten(full).to(h.shard.device)  # (padded_numel,)
+    return h.layout.shard(flat, rank).clone()  # (shard_numel,)
+
+
+# -- state dicts in fully_shard's layout ----------------------------------------------------------------------------
+@torch.no_grad()
+def model_state_dict(fsdp: FSDP, mesh: DeviceMesh | None = None) -> dict[str, Any]:
+    """{name: DTensor Shard(0)} for every parameter, buffers as plain tensors, keyed and ordered as the unwrapped
+    module's state_dict(): what get_model_state_dict returns for a fully_shard-ed copy of the module. Built one
+    flat parameter at a time (gathered, cut, freed)."""
+    mesh = mesh or device_mesh(fsdp)
+    values: dict[str, Any] = {}
+    for h in fsdp.handles:
+        for info, dt in zip(h.layout.infos, _cut(fsdp, h, h.shard, mesh), strict=True):
+            for name in (info.name, *info.aliases):  # tied: one tensor under each name
+                values[name] = dt
+    for name, buf in fsdp.module.named_buffers(remove_duplicate=False):
+        values.setdefault(name, buf.detach().clone())
+    return {k: values[k] for k in fsdp.state_dict_keys}
+
+
+def _flat_params_of(fsdp: FSDP, optimizer: torch.optim.Optimizer) -> dict[int, FlatParamHandle]:
+    """id(shard) -> handle for every parameter the optimizer holds; raises if one is not this FSDP's."""
+    handles = {id(h.shard): h for h in fsdp.handles}
+    foreign = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if id(p) not in handles]
+    if foreign:
+        raise ValueError(f"the optimizer holds {len(foreign)} tensor(s) that are not this FSDP's flat shards "
+                         f"(shapes {foreign[:4]}): build it after wrapping, on fsdp.parameters()")
+    return handles
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that has never stepped its state (zeros), as torch's state_dict.py `_init_optim_state`
+    does: one step with zero gradients and lr 0, which moves no parameter. Gradients already there are kept."""
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    grads = [p.grad for p in params]
+    lrs = [g.get("lr") for g in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g in optimizer.param_groups:
+            if "lr" in g:
+                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+            if lr is not None:
+                g["lr"] = lr
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+
+
+def _is_flat(value: Any, h: FlatParamHandle) -> bool:
+    """A state tensor laid out like the flat shard (exp_avg, momentum_buffer), as opposed to a scalar (step)."""
+    return isinstance(value, torch.Tensor) and value.shape == h.shard.shape
+
+
+@torch.no_grad()
+def optimizer_state_dict(fsdp: FSDP, optimizer: torch.optim.Optimizer,
+                         mesh: DeviceMesh | None = None) -> dict[str, Any]:
+    """The optimizer's state in get_optimizer_state_dict's layout for fully_shard: {"state": {fqn: {key: DTensor
+    Shard(0) for a state tensor shaped like the parameter, a copy for a scalar such as `step`}}, "param_groups":
+    [{hyperparameters..., "params": [fqn, ...]}]}. An optimizer that never stepped is given its zero state first
+    (as torch does)."""
+    mesh = mesh or device_mesh(fsdp)
+    handles = _flat_params_of(fsdp, optimizer)
+    init_optimizer_state(optimizer)
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    state: dict[str, dict[str, Any]] = {}
+    for h in fsdp.handles:  # every rank in the same order: the gathers are collectives
+        flat_state = optimizer.state.get(h.shard, {}) if id(h.shard) in held else {}
+        per_param: list[dict[str, Any]] = [{} for _ in h.layout.infos]
+        for key in sorted(flat_state):
+            value = flat_state[key]
+            cut = _cut(fsdp, h, value, mesh) if _is_flat(value, h) else [
+                value.clone() if isinstance(value, torch.Tensor) else value for _ in h.layout.infos]
+            for d, v in zip(per_param, cut, strict=True):
+                d[key] = v
+        for info, d in zip(h.layout.infos, per_param, strict=True):
+            if d:
+                state[info.name] = d
+    groups = []
+    for g in optimizer.param_groups:
+        names = [info.name for p in g["params"] for info in handles[id(p)].layout.infos]
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+    return {"state": state, "param_groups": groups}
+
+
+# -- save / load ----------------------------------------------------------------------------------------------------
+def _state(fsdp: FSDP, optimizer: torch.optim.Optimizer | None, mesh: DeviceMesh) -> dict[str, Any]:
+    out: dict[str, Any] = {MODEL_KEY: model_state_dict(fsdp, mesh)}
+    if optimizer is not None:
+        out[OPTIM_KEY] = optimizer_state_dict(fsdp, optimizer, mesh)
+    return out
+
+
+def save(fsdp: FSDP, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> Metadata:
+    """Write a DCP checkpoint of the model (and the optimizer) into the directory `path`: one `.distcp` file per
+    rank with its chunks and one `.metadata` (torch.distributed.checkpoint.save). All ranks call it."""
+    state = _state(fsdp, optimizer, device_mesh(fsdp))
+    return torch_dcp.save(state, checkpoint_id=os.fspath(path), process_group=fsdp.ctx.group)
+
+
+def _flat_keys(tree: Any, prefix: str) -> dict[str, Any]:
+    """DCP's flattened keys of a state dict (dicts joined by ".", a list of dicts by index): "model.0.weight",
+    "optim.state.0.weight.exp_avg", "optim.param_groups.0.lr" (torch's _traverse.traverse_state_dict)."""
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flat_keys(v, f"{prefix}.{k}"))
+        return out
+    if isinstance(tree, list) and tree and all(isinstance(v, dict) for v in tree):
+        out = {}
+        for i, v in enumerate(tree):
+            out.update(_flat_keys(v, f"{prefix}.{i}"))
+        return out
+    return {prefix: tree}
+
+
+def _read_metadata(path: str) -> Metadata:
+    """The checkpoint's .metadata, or a CheckpointError that says what the directory is instead."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is not a directory: a DCP checkpoint is a directory with a {DCP_METADATA} "
+                              "file and one .distcp file per saving rank (save(fsdp, optimizer, path) writes one)")
+    try:
+        return torch_dcp.FileSystemReader(path).read_metadata()
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path} holds no {DCP_METADATA}: not a DCP checkpoint. "
+                              + _what_else(path, "this run")) from exc
+    except Exception as exc:  # unpickling a damaged .metadata
+        raise CheckpointError(f"{os.path.join(path, DCP_METADATA)} cannot be read ({type(exc).__name__}: {exc}): "
+                              "the file is damaged or cut short; restore the checkpoint from a copy or save it "
+                              "again") from exc
+
+
+def _what_else(path: str, here: str) -> str:
+    """Say what a directory without .metadata is (the course's own sharded format, cut for one world size)."""
+    course = os.path.join(path, COURSE_METADATA)
+    try:
+        with open(course) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        meta = None
+    if isinstance(meta, dict) and meta.get("format") == COURSE_FORMAT:
+        return (f"It is the course's own sharded format ({COURSE_FORMAT}, written by save_sharded at world size "
+                f"{meta.get('world_size')}): each file holds one rank's piece of the flat parameters, cut for "
+                f"exactly {meta.get('world_size')} ranks, with no record of where each parameter's rows are, so it "
+                "cannot be resharded. Load it with load_sharded at that world size, then save(fsdp, optimizer, "
+                f"path) writes a DCP checkpoint that {here} can load.")
+    found = sorted(os.listdir(path))[:8]
+    return f"Found {found}; save one with save(fsdp, optimizer, path) or torch.distributed.checkpoint.save."
+
+
+def _check_extra_keys(path: str, metadata: Metadata, target: dict[str, Any]) -> None:
+    """After DCP loaded what this model needs: the checkpoint must hold nothing this model lacks. DCP reads only
+    the keys it is asked for, so a parameter of the saved model that this one does not have would be dropped
+    without a word."""
+    wanted = {k[1:] for k in _flat_keys(target, "")}  # drop the leading "."
+    for top in target:
+        extra = sorted(k for k in metadata.state_dict_metadata if k.startswith(f"{top}.") and k not in wanted)
+        if extra and top == MODEL_KEY:
+            raise CheckpointError(
+                f"the checkpoint in {path} holds parameters or buffers this model does not have: "
+                f"{_names(extra, top)}. It was saved from another model (or with other names): load it into that "
+                "model, or rename its keys first")
+        if extra and top == OPTIM_KEY:
+            raise CheckpointError(
+                f"the checkpoint in {path} holds optimizer state this optimizer does not have: {_names(extra, top)}. "
+                "Build the optimizer that saved it (same type, options and parameter groups)")
+
+
+def _wrong_shapes(metadata: Metadata, target: dict[str, Any]) -> list[str]:
+    """Every parameter whose saved global shape differs from this model's."""
+    saved = metadata.state_dict_metadata
+    out = []
+    for key, value in _flat_keys(target[MODEL_KEY], MODEL_KEY).items():
+        md = saved.get(key)
+        if isinstance(md, TensorStorageMetadata) and isinstance(value, torch.Tensor) and md.size != value.shape:
+            out.append(f"{key[len(MODEL_KEY) + 1:]}: saved {tuple(md.size)}, this model {tuple(value.shape)}")
+    return out
+
+
+def _names(keys: list[str], top: str) -> str:
+    names = [k[len(top) + 1:] for k in keys]
+    return f"{names[:6]}{' ...' if len(names) > 6 else ''} ({len(names)})"
+
+
+def _explain(exc: BaseException, path: str, metadata: Metadata, target: dict[str, Any]) -> str:
+    """What a DCP load error means here: a missing key, a shape, a damaged file; and what to do."""
+    text = str(exc)
+    saved = metadata.state_dict_metadata
+    wanted = {k[1:] for k in _flat_keys(target, "")}
+    missing = sorted(wanted - set(saved))
+    if "Missing key in checkpoint" in text and missing:
+        model = [k for k in missing if k.startswith(f"{MODEL_KEY}.")]
+        if model:
+            return (f"the checkpoint in {path} lacks parameters or buffers this model has: {_names(model, MODEL_KEY)}"
+                    ". It was saved from another model (or with other names): load it into the model that saved it")
+        if not any(k.startswith(f"{OPTIM_KEY}.") for k in saved):
+            return (f"the checkpoint in {path} holds no optimizer state: load it with optimizer=None, or save "
+                    "the optimizer with it")
+        saved_keys = sorted({k.rsplit(".", 1)[1] for k in saved if k.startswith(f"{OPTIM_KEY}.state.")})
+        return (f"the checkpoint in {path} lacks optimizer state this optimizer needs: {_names(missing, OPTIM_KEY)}; "
+                f"its state has the keys {saved_keys}. Build the optimizer that saved it (same type and options)")
+    wrong = _wrong_shapes(metadata, target)
+    if "Size mismatch" in text and wrong:
+        return (f"the checkpoint in {path} was saved from a model of other sizes ({'; '.join(wrong[:4])}"
+                f"{' ...' if len(wrong) > 4 else ''}): load it into a model built with the same sizes")
+    damaged = _damaged_files(path, metadata)
+    if damaged:
+        return (f"the checkpoint in {path} is damaged: {'; '.join(damaged)}. An interrupted save or copy? Copy the "
+                "checkpoint again or save it again")
+    last = text.strip().splitlines()[-1] if text.strip() else type(exc).__name__
+    return f"torch.distributed.checkpoint could not load {path}: {last}"
+
+
+def _damaged_files(path: str, metadata: Metadata) -> list[str]:
+    """Each data file shorter than the items the metadata says it holds (a truncated .distcp), or missing."""
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    out = []
+    for name, end in sorted(ends.items()):
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            out.append(f"{name} is missing")
+        elif os.path.getsize(file) < end:
+            out.append(f"{name} is {os.path.getsize(file)} bytes, its items end at byte {end} (truncated)")
+    return out
+
+
+def _target(fsdp: FSDP, optimizer: torch.optim.Optimizer | None, mesh: DeviceMesh) -> dict[str, Any]:
+    """What load() asks DCP to fill: this run's layout, with values to be overwritten (no collective: the chunks
+    are allocated empty, of the shapes model_state_dict would give)."""
+    n, rank = fsdp.ctx.world_size, fsdp.ctx.rank
+
+    def empty_like(h: FlatParamHandle, value: torch.Tensor) -> list[DTensor]:
+        out = []
+        for info in h.layout.infos:
+            start, end = DimZeroShard(info.name, info.shape, n).row_range(rank)
+            local = torch.zeros((end - start, *info.shape[1:]), dtype=value.dtype, device=value.device)
+            out.append(_dtensor(local, info.shape, mesh))
+        return out
+
+    values: dict[str, Any] = {}
+    for h in fsdp.handles:
+        for info, dt in zip(h.layout.infos, empty_like(h, h.shard), strict=True):
+            for name in (info.name, *info.aliases):
+                values[name] = dt
+    for name, buf in fsdp.module.named_buffers(remove_duplicate=False):
+        values.setdefault(name, buf.detach().clone())
+    target: dict[str, Any] = {MODEL_KEY: {k: values[k] for k in fsdp.state_dict_keys}}
+    if optimizer is None:
+        return target
+    handles = _flat_params_of(fsdp, optimizer)
+    init_optimizer_state(optimizer)
+    state: dict[str, dict[str, Any]] = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            h, flat_state = handles[id(p)], optimizer.state.get(p, {})
+            per_param: list[dict[str, Any]] = [{} for _ in h.layout.infos]
+            for key in sorted(flat_state):
+                value = flat_state[key]
+                cut = empty_like(h, value) if _is_flat(value, h) else [
+                    value.clone() if isinstance(value, torch.Tensor) else value for _ in h.layout.infos]
+                for d, v in zip(per_param, cut, strict=True):
+                    d[key] = v
+            for info, d in zip(h.layout.infos, per_param, strict=True):
+                if d:
+                    state[info.name] = d
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [i.name for p in g["params"] for i in handles[id(p)].layout.infos]}
+              for g in optimizer.param_groups]
+    target[OPTIM_KEY] = {"state": state, "param_groups": groups}
+    return target
+
+
+@torch.no_grad()
+def load(fsdp: FSDP, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> None:
+    """Load a DCP checkpoint (saved by `save` at any world size, or by fully_shard with get_state_dict and
+    torch.distributed.checkpoint.save) into this FSDP's flat shards (and the optimizer's state). All ranks call it.
+
+    DCP reads, for every parameter, the saved chunks that overlap this rank's dim-0 chunk (resharding); then each
+    flat parameter is rebuilt from its parameters' chunks (one all-gather per flat parameter) and this rank keeps
+    its flat shard. A checkpoint that does not fit raises CheckpointError on every rank, and nothing changes."""
+    path = os.fspath(path)
+    metadata = _read_metadata(path)
+    mesh = device_mesh(fsdp)
+    fresh = optimizer is not None and not optimizer.state  # _target gives it a zero state; undone on failure
+    try:
+        target = _target(fsdp, optimizer, mesh)
+        try:
+            torch_dcp.load(target, checkpoint_id=path, process_group=fsdp.ctx.group)
+        except (CheckpointException, Exception) as exc:  # CheckpointException is a BaseException
+            raise CheckpointError(_explain(exc, path, metadata, target)) from exc
+        _check_extra_keys(path, metadata, target)  # all checks before anything is written
+        groups = _check_optimizer(fsdp, optimizer, target[OPTIM_KEY], path) if optimizer is not None else []
+    except BaseException:
+        if fresh:
+            optimizer.state.clear()  # type: ignore[union-attr]  (fresh implies an optimizer)
+        raise
+    model = target[MODEL_KEY]
+    for h in fsdp.handles:  # one flat parameter at a time, every rank in the same order
+        h.shard.copy_(_uncut(fsdp, h, [model[info.name] for info in h.layout.infos]))
+    buffers = dict(fsdp.module.named_buffers(remove_duplicate=False))
+    for name in fsdp.state_dict_keys:
+        if name in buffers:
+            buffers[name].copy_(model[name])
+    if optimizer is not None:
+        _load_optimizer(fsdp, optimizer, target[OPTIM_KEY], groups)
+
+
+def _held(fsdp: FSDP, optimizer: torch.optim.Optimizer) -> list[FlatParamHandle]:
+    """The flat parameters the optimizer steps, in unit order (the same on every rank: the gathers are collectives)."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    return [h for h in fsdp.handles if id(h.shard) in held]
+
+
+def _check_optimizer(fsdp: FSDP, optimizer: torch.optim.Optimizer, loaded: dict[str, Any],
+                     path: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Before writing: a scalar state (step) must agree over each flat parameter's parameters, and every saved
+    parameter group must match one of this optimizer's (by its parameter names). Returns (group, saved group)."""
+    handles = _flat_params_of(fsdp, optimizer)
+    for h in _held(fsdp, optimizer):
+        flat_state = optimizer.state.get(h.shard, {})
+        for key in sorted(k for k in flat_state if not _is_flat(flat_state[k], h)):
+            values = [loaded["state"][info.name][key] for info in h.layout.infos]
+            if any(not _same(v, values[0]) for v in values[1:]):
+                seen: dict[Any, list[str]] = {}
+                for name, v in zip(h.layout.names, values, strict=True):
+                    seen.setdefault(_show(v), []).append(name)
+                listing = "; ".join(f"{key} {v}: {names[:3]}{' ...' if len(names) > 3 else ''} ({len(names)})"
+                                    for v, names in seen.items())
+                raise CheckpointError(
+                    f"the checkpoint in {path} holds different '{key}' values for parameters that share one flat "
+                    f"parameter here ({listing}). This FSDP keeps one optimizer state per flat parameter; load the "
+                    "checkpoint into fully_shard, or wrap so that these parameters are in different units")
+    by_names = {tuple(sorted(i.name for p in g["params"] for i in handles[id(p)].layout.infos)): g
+                for g in optimizer.param_groups}
+    pairs = []
+    for saved_group in loaded["param_groups"]:
+        group = by_names.get(tuple(sorted(saved_group["params"])))
+        if group is None:
+            raise CheckpointError(f"the checkpoint in {path} has a parameter group of {len(saved_group['params'])} "
+                                  "parameters that matches none of this optimizer's groups: build the optimizer "
+                                  "with the same parameter groups")
+        pairs.append((group, saved_group))
+    return pairs
+
+
+def _load_optimizer(fsdp: FSDP, optimizer: torch.optim.Optimizer, loaded: dict[str, Any],
+                    groups: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+    for h in _held(fsdp, optimizer):
+        flat_state = optimizer.state.get(h.shard, {})
+        for key in sorted(flat_state):
+            values = [loaded["state"][info.name][key] for info in h.layout.infos]
+            if _is_flat(flat_state[key], h):
+                flat_state[key].copy_(_uncut(fsdp, h, values))
+            elif isinstance(flat_state[key], torch.Tensor):  # one scalar for the flat parameter (checked equal)
+                flat_state[key].copy_(values[0])
+            else:
+                flat_state[key] = values[0]
+    for group, saved_group in groups:
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+
+
+def _same(a: Any, b: Any) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def _show(v: Any) -> Any:
+    return v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+
