@@ -15,14 +15,27 @@ or prints exactly what failed (world size, rank, step, tensor, difference) with 
     10 distributed pitfalls   check_clip_grad_norm, check_train_step
     12 mixed precision        check_found_inf, check_update_scale (fp16 loss scaling over shards)
     13 overlap                check_forward_prefetch (forward prefetching with async all-gathers)
+    14 hsdp                   check_hsdp_grad (HSDP's reduce-scatter in the row, all-reduce across the column)
+    15 finetune               check_lora_linear (a LoRA layer, then fine-tuned under FSDP)
+    16 budget                 check_device_peak, check_smallest_world_size, check_bytes_sent, check_comm_seconds
+    17 checkpoints            check_dim0_chunks (a unit's flat parameter cut into Shard(0) rows, DCP's layout)
 """
 
 from fsdp_course.classroom.checks._common import CheckFailure, call_learner, compare_tensor, format_tensor, run_checked
+from fsdp_course.classroom.checks.budget import (
+    check_bytes_sent,
+    check_comm_seconds,
+    check_device_peak,
+    check_smallest_world_size,
+)
 from fsdp_course.classroom.checks.checkpoint import check_sharded_checkpoint
 from fsdp_course.classroom.checks.collectives import check_all_reduce, check_ring_all_reduce
+from fsdp_course.classroom.checks.dcp import check_dim0_chunks
 from fsdp_course.classroom.checks.ddp import check_broadcast_parameters, check_ddp
 from fsdp_course.classroom.checks.flat_param import check_flat_param
 from fsdp_course.classroom.checks.fsdp_unit import check_fsdp_unit
+from fsdp_course.classroom.checks.hsdp import check_hsdp_grad
+from fsdp_course.classroom.checks.lora import check_lora_linear
 from fsdp_course.classroom.checks.memory import check_zero_memory
 from fsdp_course.classroom.checks.mixed_precision import check_found_inf, check_update_scale
 from fsdp_course.classroom.checks.overlap import check_forward_prefetch
@@ -33,14 +46,21 @@ __all__ = [
     "call_learner",
     "check_all_reduce",
     "check_broadcast_parameters",
+    "check_bytes_sent",
     "check_clip_grad_norm",
+    "check_comm_seconds",
     "check_ddp",
+    "check_device_peak",
+    "check_dim0_chunks",
     "check_flat_param",
     "check_forward_prefetch",
     "check_found_inf",
     "check_fsdp_unit",
+    "check_hsdp_grad",
+    "check_lora_linear",
     "check_ring_all_reduce",
     "check_sharded_checkpoint",
+    "check_smallest_world_size",
     "check_train_step",
     "check_update_scale",
     "check_zero_memory",

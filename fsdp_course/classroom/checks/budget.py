@@ -1,0 +1,359 @@
+"""Checkers of exercise 16 (the memory-budget puzzles): a device budget, ZeRO's stages, CPU offload, ring traffic.
+
+The learner writes four small calculators; each is compared with the course's formulas on a set of puzzles, and its
+answer is then confirmed by running the configuration for real on simulated ranks with the device budget on
+(`memory.attach(..., capacity=...)`, which raises `DeviceOutOfMemory` where a GPU would run out):
+
+    device_peak(psi, world_size, stage, offload, unit_numel)    bytes on the device at the peak of a step (fp32 Adam,
+                                                                 activations left out): `memory.budget_formula`
+    smallest_world_size(psi, unit_numel, capacity, stage, offload)
+                                                                 the smallest N in 1..64 that fits, or None
+    bytes_sent(psi, world_size, stage)                           ring bytes sent per rank and step (fp32):
+                                                                 `ledger.traffic_formula` (ZeRO's section 7)
+    comm_seconds(psi, world_size, units, alpha, beta)            ZeRO-3's communication time per step under the α-β
+                                                                 model (`cost_model.CostFit.predict`): per unit two
+                                                                 all-gathers and one reduce-scatter
+
+Formulas: ZeRO (arXiv:1910.02054, sections 5.1 and 7); FSDP (arXiv:2304.11277) adds the gathered unit and its
+gradient (8 bytes per parameter of the largest unit); CPU offload (torch's `CPUOffloadPolicy`, the course's
+`OffloadPolicy`) moves the sharded 16 Psi / N to the host. The diagnoses name the usual mistakes: Adam's 8 bytes per
+parameter forgotten, N instead of N - 1 in the ring, offloaded state counted against the device.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_course.classroom.checks._common import CHECK_TIMEOUT, CheckFailure, call_learner, require_callable
+from fsdp_course.memory import DeviceOutOfMemory, attach, budget_formula, record_event, zero_formula
+from fsdp_course.runtime.context import RankContext
+from fsdp_course.runtime.cost_model import CostFit, ring_steps
+from fsdp_course.runtime.ledger import traffic_formula
+from fsdp_course.runtime.simulate import run_ranks
+
+__all__ = ["RUN_CAPACITY", "RUN_SIZES", "check_bytes_sent", "check_comm_seconds", "check_device_peak",
+           "check_smallest_world_size", "expected_comm_seconds", "expected_smallest_world_size", "run_with_budget"]
+
+STAGES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+MAX_WORLD_SIZE = 64
+# (psi, unit_numel): lesson 16's MLP (8 layers of 65,792), a 1.3B model in 24 units, a small one in uneven units
+MODELS = ((526_336, 65_792), (1_300_000_000, 52_000_000), (10_000, 4_000))
+WORLD_SIZES = (1, 2, 3, 4, 8)
+MiB = 2**20
+# the model the checkers run for real: MLP([64] * 5), four units of 4,160 parameters, 4 samples per rank
+RUN_SIZES = (64, 64, 64, 64, 64)
+RUN_BATCH = 4
+RUN_ACTIVATIONS = 2 * (len(RUN_SIZES) - 1) * RUN_BATCH * 64 * 4  # each layer's input and ReLU output, fp32
+RUN_CAPACITY = 112 * 1024  # bytes per rank: ZeRO-3 fits from 4 ranks on, with offload from 1
+
+
+def _run_psi() -> tuple[int, int]:
+    units = [a * b + b for a, b in zip(RUN_SIZES[:-1], RUN_SIZES[1:], strict=True)]
+    return sum(units), max(units)
+
+
+def _close(got: float, expected: float) -> bool:
+    return abs(got - expected) <= 1e-6 * max(abs(expected), 1.0)
+
+
+def _number(check: str, where: str, got: Any, allow_none: bool = False) -> float | None:
+    if got is None and allow_none:
+        return None
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        CheckFailure(check, where, f"returned {type(got).__name__} {got!r:.80}", "return a plain number (int or float)"
+                     + (", or None when nothing fits" if allow_none else "")).fail()
+    return float(got)
+
+
+# -- device_peak -----------------------------------------------------------------------------------------------------
+def _device_hint(got: float, psi: int, n: int, stage: int, offload: bool, unit: int) -> str:
+    expected = budget_formula(psi, n, stage, offload=offload, gathered_numel=unit)
+    states = zero_formula(psi, n, stage, gathered_numel=unit)
+    if offload and _close(got, expected["device"] + expected["host"]):
+        return ("you counted the offloaded state against the device: with offload the sharded parameters, their "
+                "gradients and Adam's state (16 Psi / N bytes) live on the host, and only the gathered unit with its "
+                "gradient (8 bytes per parameter of the unit) is on the device")
+    if _close(got, expected["device"] - states["optimizer"]) and states["optimizer"]:
+        return ("you forgot the optimizer's state: Adam keeps two fp32 moments, 8 bytes per parameter (sharded over "
+                "N from ZeRO-1 on)")
+    if _close(got, expected["device"] - states["optimizer"] / 2) and states["optimizer"]:
+        return "Adam keeps two fp32 tensors per parameter (momentum and variance): 8 bytes per parameter, not 4"
+    if stage == 3 and _close(got, expected["device"] - states["gathered"]):
+        return ("ZeRO-3 gathers one unit at a time: at the peak the largest unit's full parameters and its full "
+                "gradient are on the device too, 8 bytes per parameter of the unit")
+    if stage == 3 and _close(got, expected["device"] - states["gathered"] / 2):
+        return "the gathered unit's gradient is full too while it waits for its reduce-scatter: 8 bytes, not 4"
+    if _close(got * 4, expected["device"]):
+        return "those are elements, not bytes: one fp32 value is 4 bytes"
+    if n > 1 and _close(got, sum(states[k] * (n if stage >= s else 1)
+                                 for k, s in (("params", 3), ("grads", 2), ("optimizer", 1))) + states["gathered"]):
+        return f"{STAGES[stage]} shards some states over the N ranks: divide what it shards by N"
+    return (f"per parameter 4 bytes of parameter, 4 of gradient, 8 of Adam state; {STAGES[stage]} shards "
+            f"{['nothing', 'the optimizer state', 'the optimizer state and the gradients', 'all three'][stage]}"
+            + ("; offload moves the sharded states to the host" if offload else ""))
+
+
+def run_with_budget(world_size: int, offload: bool, capacity: int, steps: int = 2) -> list[dict[str, Any]]:
+    """Train the run model (ZeRO-3, the course's FSDP, one unit per Linear, Adam) on `world_size` ranks with the
+    device budget on; per rank {"fits", "peak_device", "sent", "collectives", "ring_steps", "error"}."""
+    from fsdp_course.fsdp.api import FSDP
+    from fsdp_course.fsdp.flat_param import OffloadPolicy
+    from fsdp_course.models import MLP
+
+    torch.manual_seed(0)
+    base = MLP(list(RUN_SIZES))
+
+    def body(ctx: RankContext) -> dict[str, Any]:
+        fsdp = FSDP(copy.deepcopy(base), ctx, wrap={nn.Linear}, offload_policy=OffloadPolicy() if offload else None)
+        opt = torch.optim.Adam(fsdp.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(ctx.rank)
+        try:
+            recorder = attach(fsdp, opt, capacity=capacity)
+            for _ in range(steps):
+                ctx.ledger.clear()
+                x, y = torch.randn(RUN_BATCH, RUN_SIZES[0], generator=g), torch.randint(0, RUN_SIZES[-1], (RUN_BATCH,),
+                                                                                        generator=g)
+                with recorder.track_activations():
+                    loss = F.cross_entropy(fsdp(x), y)
+                loss.backward()
+                opt.step()
+                record_event(fsdp, "optimizer step")
+                opt.zero_grad()
+        except DeviceOutOfMemory as e:
+            return {"fits": False, "error": str(e), "category": e.category}
+        records = list(ctx.ledger)
+        return {"fits": True, "peak_device": recorder.peak_device, "sent": ctx.ledger.total()[0],
+                "collectives": len(records),
+                "ring_steps": sum(ring_steps(r.op, ctx.world_size) for r in records) if ctx.world_size > 1 else 0}
+
+    return run_ranks(body, world_size, timeout=CHECK_TIMEOUT)
+
+
+def check_device_peak(fn: Callable[[int, int, int, bool, int], float]) -> None:
+    """Check `fn(psi, world_size, stage, offload, unit_numel)`: bytes on the device at the peak, fp32 Adam.
+
+    Against `memory.budget_formula(...)["device"]` (activations left out) for stages 0-3 and ZeRO-3 with offload,
+    then for real: ZeRO-3 on 2 ranks, with and without offload, with a budget of your prediction plus room for the
+    activations, must run without running out of device memory."""
+    check = "check_device_peak"
+    name = require_callable(check, fn, "device_peak")
+    for psi, unit in MODELS:
+        for n in WORLD_SIZES:
+            for stage, offload in ((0, False), (1, False), (2, False), (3, False), (3, True)):
+                where = (f"psi {psi:,}, unit_numel {unit:,}, world size {n}, {STAGES[stage]}"
+                         + (" with offload" if offload else ""))
+                got = _number(check, where, call_learner(check, name, fn, psi, n, stage, offload, unit, where=where))
+                expected = budget_formula(psi, n, stage, offload=offload, gathered_numel=unit)["device"]
+                if not _close(got, expected):
+                    CheckFailure(check, where, f"got {got:,.0f} B, expected {expected:,.0f} B",
+                                 _device_hint(got, psi, n, stage, offload, unit)).fail()
+    psi, unit = _run_psi()
+    rows = []
+    for offload in (False, True):
+        predicted = float(fn(psi, 2, 3, offload, unit))
+        capacity = int(predicted) + RUN_ACTIVATIONS
+        ran = run_with_budget(2, offload, capacity)
+        where = f"the run: MLP{list(RUN_SIZES)} ({psi:,} parameters), ZeRO-3 on 2 ranks" + (
+            " with offload" if offload else "")
+        if not ran[0]["fits"]:
+            CheckFailure(check, where, f"with a budget of your prediction + {RUN_ACTIVATIONS:,} B for activations, "
+                         "the run ran out of device memory", "your prediction is too low",
+                         [ran[0]["error"]]).fail()
+        rows.append((where, predicted, ran[0]["peak_device"]))
+    print(f"All tests in {check} passed (world sizes {', '.join(map(str, WORLD_SIZES))} against budget_formula; "
+          "2 for real with the budget on)")
+    for where, predicted, measured in rows:
+        print(f"  {where}: predicted {predicted:,.0f} B + activations, measured peak {measured:,} B")
+
+
+# -- smallest_world_size ---------------------------------------------------------------------------------------------
+def expected_smallest_world_size(psi: int, unit: int, capacity: float, stage: int, offload: bool) -> int | None:
+    for n in range(1, MAX_WORLD_SIZE + 1):
+        if budget_formula(psi, n, stage, offload=offload, gathered_numel=unit)["device"] <= capacity:
+            return n
+    return None
+
+
+SMALLEST_CASES = (  # (psi, unit_numel, capacity in bytes, stage, offload)
+    (526_336, 65_792, 3 * MiB, 3, False), (526_336, 65_792, 3 * MiB, 3, True), (526_336, 65_792, 3 * MiB, 2, False),
+    (526_336, 65_792, 5 * MiB, 1, False), (526_336, 65_792, 3 * MiB, 0, False), (526_336, 65_792, 0.4 * MiB, 3, True),
+    (1_300_000_000, 52_000_000, 80 * 2**30, 2, False), (1_300_000_000, 52_000_000, 2 * 2**30, 3, False),
+    (1_300_000_000, 52_000_000, 1 * 2**30, 3, True), (10_000, 4_000, 80_000, 3, False),
+)
+
+
+def _smallest_hint(got: float | None, psi: int, unit: int, capacity: float, stage: int, offload: bool) -> str:
+    def smallest(device: Callable[[int], float]) -> int | None:
+        return next((n for n in range(1, MAX_WORLD_SIZE + 1) if device(n) <= capacity), None)
+
+    def formula(n: int) -> dict[str, float]:
+        return budget_formula(psi, n, stage, offload=offload, gathered_numel=unit)
+
+    if offload and got == smallest(lambda n: formula(n)["device"] + formula(n)["host"]):
+        return ("you counted the offloaded state against the device: with offload only the gathered unit and its "
+                "gradient are on the device, the sharded 16 Psi / N is host memory")
+    if got == smallest(lambda n: formula(n)["device"] - zero_formula(psi, n, stage)["optimizer"]):
+        return "you forgot the optimizer's state: Adam keeps 8 bytes per parameter (sharded from ZeRO-1 on)"
+    if stage == 3 and got == smallest(lambda n: formula(n)["device"] - zero_formula(psi, n, stage,
+                                                                                     gathered_numel=unit)["gathered"]):
+        return "ZeRO-3 also holds the largest unit gathered with its gradient: 8 bytes per parameter of the unit"
+    if got is not None and got < MAX_WORLD_SIZE and formula(int(got))["device"] > capacity:
+        return f"at N = {got:.0f} the device needs {formula(int(got))['device']:,.0f} B, more than the capacity"
+    return "try N = 1, 2, 3 ... and return the first N whose device peak fits; None when no N up to 64 fits"
+
+
+def check_smallest_world_size(fn: Callable[[int, int, float, int, bool], int | None]) -> None:
+    """Check `fn(psi, unit_numel, capacity, stage, offload)`: the smallest N in 1..64 whose device peak fits.
+
+    Against the formula on SMALLEST_CASES, then for real: the run model with ZeRO-3 and a budget of RUN_CAPACITY
+    (activations allowed for) must fit at your N and run out of memory at N - 1, with and without offload."""
+    check = "check_smallest_world_size"
+    name = require_callable(check, fn, "smallest_world_size")
+    for psi, unit, capacity, stage, offload in SMALLEST_CASES:
+        where = (f"psi {psi:,}, unit_numel {unit:,}, capacity {capacity:,.0f} B, {STAGES[stage]}"
+                 + (" with offload" if offload else ""))
+        raw = call_learner(check, name, fn, psi, unit, capacity, stage, offload, where=where)
+        got = _number(check, where, raw, allow_none=True)
+        expected = expected_smallest_world_size(psi, unit, capacity, stage, offload)
+        if got != expected:
+            CheckFailure(check, where, f"got {raw!r}, expected {expected!r}",
+                         _smallest_hint(got, psi, unit, capacity, stage, offload)).fail()
+    psi, unit = _run_psi()
+    confirmed, sizes = [], set()
+    for offload in (False, True):
+        n = fn(psi, unit, RUN_CAPACITY - RUN_ACTIVATIONS, 3, offload)
+        where = f"the run: MLP{list(RUN_SIZES)}, ZeRO-3{' with offload' if offload else ''}, {RUN_CAPACITY:,} B"
+        ran = run_with_budget(int(n), offload, RUN_CAPACITY)
+        if not ran[0]["fits"]:
+            CheckFailure(check, where, f"your N = {n} ran out of device memory", "your N is too small",
+                         [ran[0]["error"]]).fail()
+        below = run_with_budget(int(n) - 1, offload, RUN_CAPACITY) if n > 1 else None
+        if below is not None and below[0]["fits"]:
+            CheckFailure(check, where, f"N = {n - 1} fits too", "your N is not the smallest").fail()
+        sizes |= {int(n), int(n) - 1} - {0}
+        confirmed.append(f"ZeRO-3{' + offload' if offload else ''}: N = {n} fits"
+                         + (f", N = {n - 1} runs out ({below[0]['category']})" if below is not None else ""))
+    print(f"All tests in {check} passed (world sizes 1-{MAX_WORLD_SIZE} against budget_formula; "
+          f"{', '.join(map(str, sorted(sizes)))} for real with the budget on)")
+    print(f"  the run, budget {RUN_CAPACITY:,} B per rank: " + "; ".join(confirmed))
+
+
+# -- bytes_sent ------------------------------------------------------------------------------------------------------
+def check_bytes_sent(fn: Callable[[int, int, int], float]) -> None:
+    """Check `fn(psi, world_size, stage)`: fp32 bytes each rank sends per step under the ring model.
+
+    Against `ledger.traffic_formula(4 * psi, N)` (stages 0-2: 2 Psi (N-1)/N elements, stage 3: 3 Psi (N-1)/N), then
+    for real: the ledger of ZeRO-3 on 2 and 3 ranks (padded flat parameters) over one step."""
+    check = "check_bytes_sent"
+    name = require_callable(check, fn, "bytes_sent")
+    for psi, _ in MODELS:
+        for n in WORLD_SIZES:
+            for stage in range(4):
+                where = f"psi {psi:,}, world size {n}, {STAGES[stage]}"
+                got = _number(check, where, call_learner(check, name, fn, psi, n, stage, where=where))
+                formula = traffic_formula(4 * psi, n)
+                expected = formula["fsdp" if stage == 3 else "ddp"]
+                if not _close(got, expected):
+                    CheckFailure(check, where, f"got {got:,.0f} B, expected {expected:,.0f} B",
+                                 _traffic_hint(got, psi, n, stage)).fail()
+    psi_units = [a * b + b for a, b in zip(RUN_SIZES[:-1], RUN_SIZES[1:], strict=True)]
+    rows = []
+    for n in (2, 3):
+        padded = sum(-(-u // n) * n for u in psi_units)
+        sent = run_with_budget(n, False, 2**40, steps=1)[0]["sent"]
+        got = float(fn(padded, n, 3))
+        if not _close(got, sent):
+            CheckFailure(check, f"the run: ZeRO-3 on {n} ranks, {padded:,} padded parameters",
+                         f"your answer {got:,.0f} B, the ledger counted {sent:,.0f} B", "see the formula above").fail()
+        rows.append(f"N = {n}: {sent:,.0f} B")
+    print(f"All tests in {check} passed (world sizes {', '.join(map(str, WORLD_SIZES))} against traffic_formula; "
+          "2, 3 against the ledger of a real step)")
+    print("  ZeRO-3 of the run model, bytes sent per rank and step: " + "; ".join(rows))
+
+
+def _traffic_hint(got: float, psi: int, n: int, stage: int) -> str:
+    passes = 3 if stage == 3 else 2
+    if _close(got, passes * 4 * psi):
+        return ("a ring sends (N - 1)/N of the payload per rank, not all of it: each rank already holds its own "
+                "chunk, so use N - 1 where you used N")
+    if _close(got * 4, passes * 4 * psi * (n - 1) / n):
+        return "those are elements, not bytes: one fp32 value is 4 bytes"
+    if _close(got, (5 - passes) * 4 * psi * (n - 1) / n):
+        return ("DDP, ZeRO-1 and ZeRO-2 move 2 Psi (N-1)/N (a reduce-scatter and an all-gather: one all-reduce); "
+                "ZeRO-3 moves 3 Psi (N-1)/N (all-gather in forward, again in backward, reduce-scatter)")
+    return f"{STAGES[stage]}: {passes} Psi (N-1)/N elements of 4 bytes per rank and step"
+
+
+# -- comm_seconds ----------------------------------------------------------------------------------------------------
+def expected_comm_seconds(psi: int, n: int, units: int, alpha: float, beta: float) -> float:
+    """ZeRO-3, `units` equal units: two all-gathers and a reduce-scatter of each unit's 4 psi / units bytes."""
+    if n == 1:
+        return 0.0
+    fit = CostFit(alpha, beta, 1.0, 0.0, 1.0, 1.0, 0)
+    per_unit = 4 * psi / units
+    return units * (2 * fit.predict("all_gather", per_unit, n) + fit.predict("reduce_scatter", per_unit, n))
+
+
+COMM_CASES = (  # (psi, world size, units, alpha s, beta s/B)
+    (526_336, 4, 8, 20e-6, 1e-9), (526_336, 2, 8, 20e-6, 1e-9), (526_336, 1, 8, 20e-6, 1e-9),
+    (1_300_000_000, 8, 24, 10e-6, 1 / 25e9), (1_300_000_000, 64, 24, 10e-6, 1 / 25e9), (10_000, 3, 5, 1e-3, 0.0),
+)
+
+
+def _comm_hint(got: float, psi: int, n: int, units: int, alpha: float, beta: float) -> str:
+    b = 4 * psi / units
+    ring = (n - 1) / n * b * beta
+
+    def total(steps: float, per_byte: float, collectives: int = 3, count: int = units) -> float:
+        return count * collectives * (steps * alpha + per_byte)
+
+    n_for_n_minus_1 = (total(n, ring), total(n, b * beta), total(n - 1, b * beta))
+    if n > 1 and any(_close(got, wrong) for wrong in n_for_n_minus_1):
+        return ("a ring all-gather or reduce-scatter over N ranks takes N - 1 steps, each paying alpha, and each rank "
+                "sends (N - 1)/N of the payload: use N - 1 where you used N")
+    if n > 1 and _close(got, total(n - 1, ring * units, count=1)):
+        return "each unit is its own collective: units x 3 collectives, each paying (N - 1) alpha"
+    if n > 1 and _close(got, total(n - 1, ring, collectives=2)):
+        return ("ZeRO-3 runs three collectives per unit and step: an all-gather in forward, another in backward "
+                "(the unit was freed after forward), and a reduce-scatter of its gradient")
+    if n == 1 and got != 0:
+        return "one rank talks to nobody: no collective, 0 seconds"
+    return "per unit: 2 all-gathers + 1 reduce-scatter, each (N - 1) alpha + (N - 1)/N x (4 psi / units) x beta"
+
+
+def check_comm_seconds(fn: Callable[[int, int, int, float, float], float]) -> None:
+    """Check `fn(psi, world_size, units, alpha, beta)`: ZeRO-3's communication seconds per step, α-β ring model.
+
+    Against `CostFit.predict` on COMM_CASES, then against a real step's ledger on 2 and 3 ranks: with alpha = 1,
+    beta = 0 your function must count the ring steps the ledger's collectives took; with alpha = 0, beta = 1 the bytes
+    they sent."""
+    check = "check_comm_seconds"
+    name = require_callable(check, fn, "comm_seconds")
+    for psi, n, units, alpha, beta in COMM_CASES:
+        where = f"psi {psi:,}, world size {n}, {units} units, alpha {alpha:g} s, beta {beta:g} s/B"
+        got = _number(check, where, call_learner(check, name, fn, psi, n, units, alpha, beta, where=where))
+        expected = expected_comm_seconds(psi, n, units, alpha, beta)
+        if not _close(got, expected):
+            CheckFailure(check, where, f"got {got:.6g} s, expected {expected:.6g} s",
+                         _comm_hint(got, psi, n, units, alpha, beta)).fail()
+    unit_numel = RUN_SIZES[0] * RUN_SIZES[1] + RUN_SIZES[1]
+    units = len(RUN_SIZES) - 1
+    rows = []
+    for n in (2, 3):
+        padded = units * (-(-unit_numel // n) * n)
+        ran = run_with_budget(n, False, 2**40, steps=1)[0]
+        steps, sent = float(fn(padded, n, units, 1.0, 0.0)), float(fn(padded, n, units, 0.0, 1.0))
+        if not (_close(steps, ran["ring_steps"]) and _close(sent, ran["sent"])):
+            CheckFailure(check, f"the run: ZeRO-3 on {n} ranks, {units} units",
+                         f"your ring steps {steps:g} and bytes {sent:,.0f}; the ledger's {ran['ring_steps']} "
+                         f"and {ran['sent']:,.0f}", "see the formula above").fail()
+        rows.append(f"N = {n}: {ran['collectives']} collectives, {ran['ring_steps']} ring steps, {ran['sent']:,.0f} B")
+    print(f"All tests in {check} passed (world sizes {', '.join(sorted({str(c[1]) for c in COMM_CASES}, key=int))} "
+          "against CostFit.predict; 2, 3 against the ledger of a real step)")
+    print("  ZeRO-3 of the run model, one step per rank: " + "; ".join(rows))

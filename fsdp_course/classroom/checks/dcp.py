@@ -1,0 +1,117 @@
+"""Checker of exercise 17: one unit's gathered flat parameter, cut into each parameter's `Shard(0)` rows for rank r.
+
+The learner writes `dim0_chunks(layout, flat, rank, world_size)`: `flat` is a unit's gathered flat parameter
+`(padded_numel,)` (lesson 05's layout: the parameters end to end, then zeros), and the result is, for every parameter
+in `layout.infos` order, the rows rank `rank` holds when the parameter is sharded as `fully_shard` shards it (a
+DTensor with placement `Shard(0)`): torch.chunk's `rank`-th chunk on dim 0, rows [r * c, min((r + 1) * c, d0)) with
+c = ceil(d0 / N), and an empty `(0, *shape[1:])` tensor for a rank torch.chunk has no chunk for. This is the step
+`fsdp_course.fsdp.dcp.save` takes for every unit before torch.distributed.checkpoint writes the chunks.
+
+A pure function: no ranks are started. Checked for every rank at world sizes 1 to 5 on units whose first dimensions
+divide by none of them (and one shorter than the world size): the shape of each chunk, its values (torch.chunk of the
+parameter, the reference), and that it is a copy, not a view of `flat` (a view would keep the whole gathered unit
+alive after the gather is freed, which is what cutting one unit at a time avoids).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fsdp_course.classroom.checks._common import (
+    CheckFailure,
+    call_learner,
+    format_tensor,
+    require_callable,
+    require_world_sizes,
+)
+from fsdp_course.fsdp.flat_param import FlatParamLayout, flatten_params
+
+__all__ = ["UNITS", "check_dim0_chunks", "reference_chunks"]
+
+# Units of parameters (name, shape): first dimensions of 17, 7, 3, 5, 2 rows, divisible by none of 2 to 5 (2 by 2)
+UNITS: dict[str, list[tuple[str, tuple[int, ...]]]] = {
+    "embedding and head": [("embedding.weight", (17, 4)), ("fc.weight", (3, 4)), ("fc.bias", (3,))],
+    "an MLP layer": [("linear.weight", (7, 5)), ("linear.bias", (7,)), ("norm.weight", (5,)), ("gate", (2, 3))],
+}
+
+
+def reference_chunks(named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int) -> list[torch.Tensor]:
+    """torch.chunk's `rank`-th chunk of each tensor on dim 0, empty where torch.chunk gives fewer chunks."""
+    out = []
+    for _, t in named:
+        chunks = torch.chunk(t, world_size, dim=0)
+        out.append(chunks[rank].clone() if rank < len(chunks) else t[:0].clone())
+    return out
+
+
+def _unit(shapes: list[tuple[str, tuple[int, ...]]], seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    # integers as floats: every value is distinct and exact, so a chunk from the wrong rows shows at once
+    return [(name, torch.randperm(10_000, generator=g)[: torch.Size(shape).numel()].float().reshape(shape))
+            for name, shape in shapes]
+
+
+def check_dim0_chunks(fn: Callable[..., Any], world_sizes: Sequence[int] = (1, 2, 3, 4, 5)) -> None:
+    """Check `fn(layout, flat, rank, world_size) -> list of tensors`: rank `rank`'s dim-0 chunk of every parameter."""
+    check = "check_dim0_chunks"
+    name = require_callable(check, fn, "dim0_chunks")
+    sizes = require_world_sizes(world_sizes)
+    for seed, (unit, shapes) in enumerate(UNITS.items()):
+        named = _unit(shapes, seed)
+        for n in sizes:
+            layout, flat = flatten_params(named, n)
+            for rank in range(n):
+                where = f"world size {n}, rank {rank}, unit '{unit}'"
+                given = flat.clone()  # (padded_numel,) the gathered flat parameter, the learner's own copy
+                got = call_learner(check, name, fn, layout, given, rank, n, where=where,
+                                   hint_for=lambda exc, n=n: _hint_for(exc, n))
+                _judge(check, where, layout, given, got, reference_chunks(named, rank, n), n)
+    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
+    print(f"  {len(UNITS)} units, every rank: each parameter's rows as torch.chunk cuts them on dim 0 (empty chunks "
+          "included), copied out of the gathered flat parameter")
+
+
+def _hint_for(exc: BaseException, n: int) -> str:
+    if isinstance(exc, IndexError):
+        return ("torch.chunk(p, N, dim=0) returns fewer than N chunks when the first dimension is short (2 rows over "
+                f"{n} ranks: c = ceil(2 / {n}) rows each, so the later ranks get none): give those ranks an empty "
+                "(0, *shape[1:]) tensor, e.g. p[:0], or compute the row range yourself")
+    return "cut each parameter out of flat with layout.unflatten(flat), then take this rank's rows of it"
+
+
+def _judge(check: str, where: str, layout: FlatParamLayout, flat: torch.Tensor, got: Any,
+           expected: list[torch.Tensor], n: int) -> None:
+    if not isinstance(got, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in got):
+        CheckFailure(check, where, f"returned {type(got).__name__}, not a list of tensors",
+                     "return a list with one tensor per parameter, in layout.infos order").fail()
+    if len(got) != len(expected):
+        CheckFailure(check, where, f"returned {len(got)} tensors for {len(expected)} parameters",
+                     "one tensor per parameter of layout.infos (the padding at the end of flat is no parameter)"
+                     ).fail()
+    for info, g, e in zip(layout.infos, got, expected, strict=True):
+        rows = -(-info.shape[0] // n)
+        if tuple(g.shape) != tuple(e.shape):
+            if g.dim() == 1 and len(info.shape) > 1 and g.numel() == e.numel():
+                hint = f"keep the rows' shape: ({e.shape[0]}, *shape[1:]), not a flat run of elements"
+            elif tuple(g.shape[1:]) == tuple(e.shape[1:]) and g.shape[0] == info.shape[0] // n:
+                hint = (f"rows per rank are ceil(d0 / N) = ceil({info.shape[0]} / {n}) = {rows}, as torch.chunk "
+                        "takes them (the last ranks get fewer), not d0 // N")
+            elif tuple(g.shape[1:]) == tuple(e.shape[1:]):
+                hint = (f"rank r holds rows [r * c, min((r + 1) * c, d0)) with c = ceil(d0 / N) = {rows}: the first "
+                        "ranks get c rows each and the last ones the rest, or none")
+            else:
+                hint = "cut each parameter on dim 0 (rows), as fully_shard's Shard(0) does, not its flat elements"
+            CheckFailure(check, where, f"'{info.name}' {tuple(info.shape)}: chunk of shape {tuple(g.shape)}, "
+                         f"expected {tuple(e.shape)}", hint).fail()
+        if g.dtype != e.dtype or not torch.equal(g, e):
+            CheckFailure(check, where, f"'{info.name}' {tuple(info.shape)}: the chunk holds other values",
+                         "take the parameter's own elements (layout.unflatten(flat), or flat[offset:offset + "
+                         "numel].view(shape)), then rows [r * c, min((r + 1) * c, d0)) of it",
+                         [f"expected {format_tensor(e, 8)}", f"got      {format_tensor(g, 8)}"]).fail()
+        if g.numel() and g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+            CheckFailure(check, where, f"'{info.name}': the chunk is a view of the gathered flat parameter",
+                         "return a copy (.clone()): a view keeps the whole gathered unit alive after the gather is "
+                         "freed, which is what cutting one unit at a time avoids").fail()

@@ -1,0 +1,159 @@
+"""The checkers of exercise 16 (memory-budget puzzles) pass the reference solution and fail planted mistakes with the
+diagnosis that names them: each planted function is the reference with one thing wrong, as a learner would get it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from reference_solutions import fails, load, passes
+
+from fsdp_course.classroom.checks import (
+    check_bytes_sent,
+    check_comm_seconds,
+    check_device_peak,
+    check_smallest_world_size,
+)
+from fsdp_course.classroom.checks.budget import RUN_CAPACITY, run_with_budget
+
+BUDGET = load("16_budget")
+REF = BUDGET["device_peak"]
+
+
+def no_optimizer(psi, n, stage, offload, unit):  # forgot Adam's 8 bytes per parameter
+    params = 4 * psi / (n if stage >= 3 else 1)
+    grads = 4 * psi / (n if stage >= 2 else 1)
+    gathered = 8 * unit if stage == 3 else 0
+    return gathered if offload else params + grads + gathered
+
+
+def adam_four_bytes(psi, n, stage, offload, unit):  # one moment instead of two
+    return REF(psi, n, stage, offload, unit) - (0 if offload else 4 * psi / (n if stage >= 1 else 1))
+
+
+def offload_on_device(psi, n, stage, offload, unit):  # counted the offloaded state against the device
+    return REF(psi, n, stage, False, unit)
+
+
+def no_gathered_unit(psi, n, stage, offload, unit):
+    return REF(psi, n, stage, offload, unit) - (8 * unit if stage == 3 else 0)
+
+
+def elements(psi, n, stage, offload, unit):
+    return REF(psi, n, stage, offload, unit) / 4
+
+
+def never_shards(psi, n, stage, offload, unit):
+    return REF(psi, 1, stage, offload, unit)
+
+
+def stub(*args):
+    raise NotImplementedError()
+
+
+def smallest_with(device: Callable) -> Callable:
+    def smallest(psi, unit, capacity, stage, offload):
+        return next((n for n in range(1, 65) if device(psi, n, stage, offload, unit) <= capacity), None)
+    return smallest
+
+
+def smallest_off_by_one(psi, unit, capacity, stage, offload):
+    n = BUDGET["smallest_world_size"](psi, unit, capacity, stage, offload)
+    return None if n is None else n + 1
+
+
+def ring_n(psi, n, stage):  # N instead of N - 1
+    return (3 if stage == 3 else 2) * 4 * psi
+
+
+def ring_elements(psi, n, stage):
+    return (3 if stage == 3 else 2) * psi * (n - 1) / n
+
+
+def ring_two_passes(psi, n, stage):  # ZeRO-3 counted like DDP
+    return 2 * 4 * psi * (n - 1) / n
+
+
+def comm_n_steps(psi, n, units, alpha, beta):  # N latency steps and N/N of the bytes
+    return units * 3 * (n * alpha + 4 * psi / units * beta) if n > 1 else 0.0
+
+
+def comm_one_collective(psi, n, units, alpha, beta):  # the whole model as one collective per pass
+    return 3 * ((n - 1) * alpha + (n - 1) / n * 4 * psi * beta)
+
+
+def comm_two_collectives(psi, n, units, alpha, beta):  # forgot the backward all-gather
+    return units * 2 * ((n - 1) * alpha + (n - 1) / n * 4 * psi / units * beta)
+
+
+def test_references_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    out = passes(check_device_peak, REF, capsys=capsys)
+    assert "predicted 33,280 B + activations" in out
+    out = passes(check_smallest_world_size, BUDGET["smallest_world_size"], capsys=capsys)
+    assert "ZeRO-3: N = 4 fits, N = 3 runs out (grads); ZeRO-3 + offload: N = 1 fits" in out
+    passes(check_bytes_sent, BUDGET["bytes_sent"], capsys=capsys)
+    out = passes(check_comm_seconds, BUDGET["comm_seconds"], capsys=capsys)
+    assert "N = 3: 12 collectives, 24 ring steps" in out
+
+
+@pytest.mark.parametrize(("fn", "hint"), [
+    (no_optimizer, "you forgot the optimizer's state: Adam keeps two fp32 moments, 8 bytes per parameter"),
+    (adam_four_bytes, "8 bytes per parameter, not 4"),
+    (offload_on_device, "you counted the offloaded state against the device"),
+    (no_gathered_unit, "the largest unit's full parameters and its full gradient are on the device too"),
+    (elements, "those are elements, not bytes"),
+    (never_shards, "shards some states over the N ranks: divide what it shards by N"),
+])
+def test_device_peak_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_device_peak, fn, hint=hint, capsys=capsys)
+
+
+@pytest.mark.parametrize(("fn", "hint"), [
+    (smallest_with(no_optimizer), "you forgot the optimizer's state"),
+    (smallest_with(offload_on_device), "you counted the offloaded state against the device"),
+    (smallest_with(no_gathered_unit), "ZeRO-3 also holds the largest unit gathered with its gradient"),
+    (smallest_off_by_one, "try N = 1, 2, 3"),
+])
+def test_smallest_world_size_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_smallest_world_size, fn, hint=hint, capsys=capsys)
+
+
+@pytest.mark.parametrize(("fn", "hint"), [
+    (ring_n, "a ring sends (N - 1)/N of the payload per rank"),
+    (ring_elements, "those are elements, not bytes"),
+    (ring_two_passes, "ZeRO-3 moves 3 Psi (N-1)/N"),
+])
+def test_bytes_sent_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_bytes_sent, fn, hint=hint, capsys=capsys)
+
+
+@pytest.mark.parametrize(("fn", "hint"), [
+    (comm_n_steps, "use N - 1 where you used N"),
+    (comm_one_collective, "each unit is its own collective"),
+    (comm_two_collectives, "ZeRO-3 runs three collectives per unit and step"),
+])
+def test_comm_seconds_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_comm_seconds, fn, hint=hint, capsys=capsys)
+
+
+def test_the_run_catches_what_the_formula_cases_do_not(capsys: pytest.CaptureFixture[str]) -> None:
+    """The real run is a second referee: a prediction right on every formula case but too low for the run's model
+    (which no formula case uses) runs out of device memory with the budget on."""
+    def low_for_small_models(psi, n, stage, offload, unit):
+        return REF(psi, n, stage, offload, unit) / (2 if psi < 10_000 * 2 and psi != 10_000 else 1)
+
+    out = fails(check_device_peak, low_for_small_models, hint="your prediction is too low", capsys=capsys)
+    assert "the run ran out of device memory" in out and "Tried to allocate" in out
+    assert not run_with_budget(3, False, RUN_CAPACITY)[0]["fits"] and run_with_budget(4, False, RUN_CAPACITY)[0]["fits"]
+
+
+@pytest.mark.parametrize("check", [check_device_peak, check_smallest_world_size, check_bytes_sent,
+                                   check_comm_seconds])
+def test_the_stub_gives_one_short_not_implemented(check: Callable) -> None:
+    with pytest.raises(NotImplementedError, match="stub is not implemented yet"):
+        check(stub)
+
+
+def test_a_string_instead_of_the_function_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"check_device_peak\(device_peak\)"):
+        check_device_peak("device_peak")

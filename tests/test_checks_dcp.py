@@ -1,0 +1,122 @@
+"""The checker of exercise 17 (a unit's flat parameter cut into Shard(0) rows) passes the reference solution and fails
+planted mistakes with the diagnosis that names them: each planted function is the reference with one thing wrong, as
+a learner would get it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from reference_solutions import fails, load, passes
+
+from fsdp_course.classroom.checks import check_dim0_chunks
+from fsdp_course.fsdp import dcp
+
+CHECKPOINTS = load("17_checkpoints")
+
+
+def rows(d0: int, n: int, rank: int, per_rank: int) -> slice:
+    start = min(rank * per_rank, d0)
+    return slice(start, start + per_rank)
+
+
+def floor_rows(layout, flat, rank, world_size):  # d0 // N rows per rank: the last rows are lost
+    return [p[rows(i.shape[0], world_size, rank, i.shape[0] // world_size)].clone()
+            for i, p in zip(layout.infos, layout.unflatten(flat), strict=True)]
+
+
+def tensor_split(layout, flat, rank, world_size):  # torch.tensor_split spreads the remainder: not torch.chunk's cut
+    return [torch.tensor_split(p, world_size, dim=0)[rank].clone() for p in layout.unflatten(flat)]
+
+
+def plain_chunk(layout, flat, rank, world_size):  # torch.chunk's r-th chunk, forgetting that it may give fewer
+    return [torch.chunk(p, world_size, dim=0)[rank].clone() for p in layout.unflatten(flat)]
+
+
+def flat_pieces(layout, flat, rank, world_size):  # each parameter's elements in this rank's flat shard
+    shard = layout.shard(flat, rank)
+    out = []
+    for info in layout.infos:
+        piece = next((p for p in layout.pieces(rank) if p.name == info.name), None)
+        out.append(shard[piece.shard_offset: piece.shard_offset + piece.param_end - piece.param_start].clone()
+                   if piece else flat[:0].clone())
+    return out
+
+
+def flattened(layout, flat, rank, world_size):  # the right rows, flattened to 1-D
+    return [c.reshape(-1) for c in CHECKPOINTS["dim0_chunks"](layout, flat, rank, world_size)]
+
+
+def ignores_offset(layout, flat, rank, world_size):  # every parameter read from the start of flat
+    out = []
+    for info in layout.infos:
+        p = flat[: info.numel].view(info.shape)
+        c = -(-info.shape[0] // world_size)
+        out.append(p[rows(info.shape[0], world_size, rank, c)].clone())
+    return out
+
+
+def views(layout, flat, rank, world_size):  # no clone: views of the gathered buffer
+    out = []
+    for info, p in zip(layout.infos, layout.unflatten(flat), strict=True):
+        c = -(-info.shape[0] // world_size)
+        out.append(p[rows(info.shape[0], world_size, rank, c)])
+    return out
+
+
+def returns_dict(layout, flat, rank, world_size):
+    return dict(zip(layout.names, CHECKPOINTS["dim0_chunks"](layout, flat, rank, world_size), strict=True))
+
+
+def with_padding(layout, flat, rank, world_size):  # the padding at the end of flat as one more "parameter"
+    return [*CHECKPOINTS["dim0_chunks"](layout, flat, rank, world_size), flat[layout.numel:].clone()]
+
+
+def stub(layout, flat, rank, world_size):
+    raise NotImplementedError()
+
+
+def test_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    out = passes(check_dim0_chunks, CHECKPOINTS["dim0_chunks"], capsys=capsys)
+    assert "(world sizes 1, 2, 3, 4, 5)" in out
+
+
+def test_the_course_s_own_cut_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    passes(check_dim0_chunks, dcp.dim0_chunks, capsys=capsys)
+
+
+@pytest.mark.parametrize(("fn", "hint"), [
+    (floor_rows, "rows per rank are ceil(d0 / N) = ceil(17 / 2) = 9, as torch.chunk takes them"),
+    (tensor_split, "rows per rank are ceil(d0 / N) = ceil(17 / 4) = 5"),
+    (plain_chunk, "torch.chunk(p, N, dim=0) returns fewer than N chunks when the first dimension is short"),
+    (flattened, "keep the rows' shape: (17, *shape[1:]), not a flat run of elements"),
+    (ignores_offset, "'fc.weight' (3, 4): the chunk holds other values"),
+    (views, "return a copy (.clone()): a view keeps the whole gathered unit alive"),
+    (returns_dict, "returned dict, not a list of tensors"),
+    (with_padding, "returned 4 tensors for 3 parameters"),
+])
+def test_planted_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_dim0_chunks, fn, hint=hint, capsys=capsys)
+
+
+def test_flat_shard_pieces_are_named(capsys: pytest.CaptureFixture[str]) -> None:
+    # at one rank a flat piece is the whole parameter, flattened (the shape hint); from two ranks on it is no row cut
+    fails(check_dim0_chunks, flat_pieces, hint="keep the rows' shape: (17, *shape[1:])", capsys=capsys)
+    fails(check_dim0_chunks, flat_pieces, world_sizes=(2, 3), capsys=capsys,
+          hint="cut each parameter on dim 0 (rows), as fully_shard's Shard(0) does, not its flat elements")
+
+
+def test_where_it_failed_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    out = fails(check_dim0_chunks, plain_chunk, hint="returns fewer than N chunks", capsys=capsys)
+    assert "FAILED at world size 4, rank 3, unit 'embedding and head'" in out, out  # fc's 3 rows on 4 ranks
+
+
+def test_the_stub_gives_one_short_not_implemented() -> None:
+    with pytest.raises(NotImplementedError, match="stub is not implemented yet"):
+        check_dim0_chunks(stub)
+
+
+def test_a_string_instead_of_the_function_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"check_dim0_chunks\(dim0_chunks\)"):
+        check_dim0_chunks("dim0_chunks")

@@ -1,0 +1,151 @@
+"""The checker of exercise 15 (a LoRA layer) passes the reference solution and fails planted mistakes with the
+diagnosis that names them: each planted class is the reference with one thing wrong, as a learner would get it."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference_solutions import fails, load, passes
+from torch import nn
+
+from fsdp_course.classroom.checks import check_lora_linear
+from fsdp_course.classroom.checks.lora import _under_fsdp
+from fsdp_course.lora import LoRALinear as LibraryLoRALinear
+
+FINETUNE = load("15_finetune")
+
+
+class Reference(nn.Module):
+    """What the solution notebook writes, spelled out here so that each mistake below changes one line of it."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float) -> None:
+        super().__init__()
+        self.base = base
+        base.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank))
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+
+
+class RandomB(Reference):
+    def __init__(self, base, rank, alpha):
+        super().__init__(base, rank, alpha)
+        self.lora_B = nn.Parameter(torch.randn(base.out_features, rank))
+
+
+class BothZero(Reference):
+    def __init__(self, base, rank, alpha):
+        super().__init__(base, rank, alpha)
+        self.lora_A = nn.Parameter(torch.zeros(rank, base.in_features))
+
+
+class Unscaled(Reference):
+    def forward(self, x):
+        return self.base(x) + F.linear(F.linear(x, self.lora_A), self.lora_B)
+
+
+class ScaledByAlpha(Reference):
+    def __init__(self, base, rank, alpha):
+        super().__init__(base, rank, alpha)
+        self.scaling = alpha
+
+
+class BaseNotFrozen(Reference):
+    def __init__(self, base, rank, alpha):
+        super().__init__(base, rank, alpha)
+        base.requires_grad_(True)
+
+
+class TransposedA(Reference):
+    def __init__(self, base, rank, alpha):
+        super().__init__(base, rank, alpha)
+        self.lora_A = nn.Parameter(torch.randn(base.in_features, rank))
+
+    def forward(self, x):
+        return self.base(x) + x @ self.lora_A @ self.lora_B.t() * self.scaling
+
+
+class PlainTensors(Reference):
+    def __init__(self, base, rank, alpha):
+        super().__init__(base, rank, alpha)
+        del self.lora_A, self.lora_B
+        self.lora_A = torch.randn(rank, base.in_features)
+        self.lora_B = torch.zeros(base.out_features, rank)
+
+
+class CopiedBase(Reference):
+    def __init__(self, base, rank, alpha):
+        super().__init__(copy.deepcopy(base), rank, alpha)
+
+
+class DetachedUpdate(Reference):
+    def forward(self, x):
+        return self.base(x) + F.linear(F.linear(x, self.lora_A.data), self.lora_B) * self.scaling
+
+
+class ReinitializedBase(Reference):
+    def __init__(self, base, rank, alpha):
+        base.reset_parameters()
+        super().__init__(base, rank, alpha)
+
+
+class NoisyUpdate(Reference):
+    """Passes the checks of the layer alone only if they are skipped: a random term in the forward."""
+
+    def forward(self, x):
+        return super().forward(x) + 1e-3 * torch.randn_like(self.base(x))
+
+
+class Stub(nn.Module):
+    def __init__(self, base, rank, alpha):
+        super().__init__()
+        raise NotImplementedError()
+
+
+def test_the_reference_solutions_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    out = passes(check_lora_linear, FINETUNE["LoRALinear"], capsys=capsys)
+    assert "(world sizes 2, 3)" in out
+    passes(check_lora_linear, Reference, capsys=capsys, world_sizes=(2,))
+    passes(check_lora_linear, LibraryLoRALinear, capsys=capsys, world_sizes=(2,))
+
+
+@pytest.mark.parametrize("planted, hint", [
+    (RandomB, "B must start at zero"),
+    (BothZero, "with A and B both zero"),
+    (Unscaled, "the update is not scaled: multiply B(A x) by alpha / rank (here 4 / 2 = 2)"),
+    (ScaledByAlpha, "the update is scaled by alpha: the scaling is alpha / rank (here 2, not 4)"),
+    (BaseNotFrozen, "freeze the pretrained Linear: self.base.requires_grad_(False)"),
+    (TransposedA, "A maps the input down to `rank` values: (rank, in_features)"),
+    (PlainTensors, "make self.lora_A = nn.Parameter(...)"),
+    (CopiedBase, "keep the Linear you were given as self.base"),
+    (DetachedUpdate, "use self.lora_A in forward, on the path to the output"),
+    (ReinitializedBase, "never re-initialize them"),
+])
+def test_planted_mistakes_fail_with_their_hint(planted: type, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_lora_linear, planted, hint=hint, capsys=capsys, world_sizes=(2,))
+
+
+def test_the_fsdp_stage_fails_what_one_process_would_not_compute() -> None:
+    with pytest.raises(AssertionError, match="not what one process computes"):
+        _under_fsdp(NoisyUpdate, [2])
+    _under_fsdp(Reference, [2])  # and passes the reference
+
+
+def test_a_stub_says_it_is_not_implemented() -> None:
+    with pytest.raises(NotImplementedError, match="is not implemented yet"):
+        check_lora_linear(Stub)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="check_lora_linear takes your function itself"):
+        check_lora_linear("LoRALinear")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="world_sizes must be positive ints"):
+        check_lora_linear(Reference, world_sizes=(0,))
