@@ -11,12 +11,14 @@ core imports without Jupyter).
 from fsdp_course.engines.ddp import DDP
 from fsdp_course.engines.zero import ZeRO1, ZeRO2
 from fsdp_course.fsdp.api import FSDP, ShardedState, TrainingState
-from fsdp_course.fsdp.flat_param import FlatParamLayout, shard_parameters
+from fsdp_course.fsdp.flat_param import FlatParamLayout, OffloadPolicy, shard_parameters
 from fsdp_course.fsdp.grad_scaler import ShardedGradScaler
 from fsdp_course.fsdp.policy import MixedPrecision
-from fsdp_course.memory import measure, zero_formula
+from fsdp_course.lora import LoRALinear, add_lora, merge_lora, remove_lora
+from fsdp_course.memory import DeviceOutOfMemory, measure, zero_formula
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.ledger import Ledger, Record
+from fsdp_course.runtime.mesh import Mesh
 from fsdp_course.runtime.monitor import CollectiveHang, CollectiveMismatch, PeerFailed
 from fsdp_course.runtime.simulate import RankError, run_ranks
 
@@ -25,9 +27,13 @@ __all__ = [
     "FSDP",
     "CollectiveHang",
     "CollectiveMismatch",
+    "DeviceOutOfMemory",
     "FlatParamLayout",
+    "LoRALinear",
     "Ledger",
+    "Mesh",
     "MixedPrecision",
+    "OffloadPolicy",
     "PeerFailed",
     "RankContext",
     "RankError",
@@ -37,7 +43,10 @@ __all__ = [
     "TrainingState",
     "ZeRO1",
     "ZeRO2",
+    "add_lora",
     "measure",
+    "merge_lora",
+    "remove_lora",
     "run_ranks",
     "shard_parameters",
     "zero_formula",

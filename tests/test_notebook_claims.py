@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "lessons").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
 IGNORE = "nbval-ignore-output"
-MAX_IGNORED = 12  # keep it small: a claim that can be printed at its own precision is compared, not ignored
+MAX_IGNORED = 13  # keep it small: a claim that can be printed at its own precision is compared, not ignored
 REASON = re.compile(r"^# varies: \S.{15,}")
 
 
