@@ -453,3 +453,21 @@ if __name__ == "__main__":
     if len(sys.argv) != 2:
         raise SystemExit(f"usage: torchrun --nproc-per-node 2 {HERE.name} OUTDIR")
     in_torchrun(Path(sys.argv[1]))
+
+
+def test_the_encoder_layers_inference_fast_path_fails_loudly_with_an_adapter() -> None:
+    """nn.TransformerEncoderLayer's inference fast path (eval, batch_first=True, no grad) reads linear1.weight itself
+    instead of calling linear1: with a LoRALinear there it fails loudly, never silently skipping the adapter. The
+    course's models use batch_first=False, which never takes that path (the adapted layer runs)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8)
+    for batch_first in (True, False):
+        layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=batch_first)
+        add_lora(layer, rank=2, alpha=4.0, targets=("linear1", "linear2"))
+        layer.eval()
+        with torch.no_grad():
+            if batch_first:
+                with pytest.raises(AttributeError, match="weight"):
+                    layer(x)
+            else:
+                assert layer(x).shape == x.shape
