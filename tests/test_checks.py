@@ -224,4 +224,131 @@ def test_ring_stub_and_a_send_that_is_never_received(capsys: pytest.CaptureFixtu
     monkeypatch.setattr(_common, "CHECK_TIMEOUT", 2.0)  # read by run_checked at each call
     with pytest.raises(AssertionError):
         check_ring_all_reduce(sends_only, world_sizes=(2,))
-    assert "a send or recv waited for a partner that never came" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "rank 1 raised CollectiveHang: rank 1: recv from rank 0 (reduce-scatter step 1 of 1, tag 99, 1 elements) " \
+        "failed: rank(s) 0 ended without posting the matching send or recv" in out
+    assert "hint: a rank finished while another still waited in a send or recv with it" in out
+
+
+# -- the ring: mistakes named by chunk, the caller's input, the deadlock ------------------------------
+def _ring_reduce_scatter(ctx: RankContext, chunks: tuple[torch.Tensor, ...]) -> None:
+    n, r = ctx.world_size, ctx.rank
+    incoming = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        work = ctx.group.send([chunks[(r - step) % n]], (r + 1) % n, step)
+        ctx.group.recv([incoming], (r - 1) % n, step).wait()
+        work.wait()
+        chunks[(r - step - 1) % n].add_(incoming)
+
+
+def _ring_all_gather(ctx: RankContext, chunks: tuple[torch.Tensor, ...], shift: int = 0) -> None:
+    n, r = ctx.world_size, ctx.rank
+    for step in range(n - 1):
+        work = ctx.group.send([chunks[(r + 1 - step) % n]], (r + 1) % n, n + step)
+        ctx.group.recv([chunks[(r - step + shift) % n]], (r - 1) % n, n + step).wait()
+        work.wait()
+
+
+def ring_recv_overwrites(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    """The reduce-scatter half receives straight into the chunk: each chunk keeps one rank's values."""
+    n, r = ctx.world_size, ctx.rank
+    buf, chunks = _ring_pad(ctx, tensor)
+    for step in range(n - 1):
+        work = ctx.group.send([chunks[(r - step) % n]], (r + 1) % n, step)
+        ctx.group.recv([chunks[(r - step - 1) % n]], (r - 1) % n, step).wait()
+        work.wait()
+    _ring_all_gather(ctx, chunks)
+    return buf[: tensor.numel()].reshape(tensor.shape)
+
+
+def ring_wrong_gather_index(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    """The all-gather half receives each finished chunk one index too low (at N = 3, not the chunk being sent)."""
+    buf, chunks = _ring_pad(ctx, tensor)
+    _ring_reduce_scatter(ctx, chunks)
+    _ring_all_gather(ctx, chunks, shift=-1)
+    return buf[: tensor.numel()].reshape(tensor.shape)
+
+
+def ring_in_place(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    """Right values, but when no padding is needed the chunks are views of the caller's tensor."""
+    flat = tensor.reshape(-1)
+    buf = flat if flat.numel() % ctx.world_size == 0 else _pad(ctx, tensor)
+    chunks = buf.chunk(ctx.world_size)
+    _ring_reduce_scatter(ctx, chunks)
+    _ring_all_gather(ctx, chunks)
+    return buf[: tensor.numel()].reshape(tensor.shape).clone()
+
+
+def ring_send_waits_first(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    """Waits on each send before posting the recv: every rank blocks in its first send."""
+    n, r = ctx.world_size, ctx.rank
+    buf, chunks = _ring_pad(ctx, tensor)
+    incoming = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        ctx.group.send([chunks[(r - step) % n]], (r + 1) % n, step).wait()
+        ctx.group.recv([incoming], (r - 1) % n, step).wait()
+        chunks[(r - step - 1) % n].add_(incoming)
+    _ring_all_gather(ctx, chunks)
+    return buf[: tensor.numel()].reshape(tensor.shape)
+
+
+def test_ring_recv_that_overwrites_names_the_missing_contributions(capsys: pytest.CaptureFixture[str]) -> None:
+    out = fails(check_ring_all_reduce, ring_recv_overwrites, world_sizes=(3,),
+                hint="contributions are missing from a chunk: a recv overwrites its tensor", capsys=capsys)
+    assert "on rank 0: chunk 0 (flat elements 0..4) is missing ranks 1, 2's contribution (it holds only rank 0's)" \
+        in out
+    assert "on rank 0: chunk 2 (flat elements 10..12) is missing ranks 0, 1's contribution" in out
+    assert "look at the first element that differs" not in out
+
+
+def test_ring_wrong_gather_index_names_the_chunk_it_holds(capsys: pytest.CaptureFixture[str]) -> None:
+    out = fails(check_ring_all_reduce, ring_wrong_gather_index, world_sizes=(3,),
+                hint="chunk 1 holds chunk 2's values: an index is off, most likely in the all-gather half",
+                capsys=capsys)
+    assert "on rank 0: chunk 0 (flat elements 0..4) is missing ranks 1, 2's contribution (it holds only rank 0's)" \
+        in out  # never received: still rank 0's own values
+    assert "on rank 0: chunk 1 (flat elements 5..9) holds chunk 2's values (rank 2's values of chunk 2)" in out
+    assert "on rank 0: chunk 2 (flat elements 10..12) holds chunk 0's values (the sum of chunk 0)" in out
+
+
+def test_ring_that_changes_the_callers_tensor_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    out = fails(check_ring_all_reduce, ring_in_place, world_sizes=(1, 3),
+                hint="an all-reduce returns the sum and leaves the caller's tensor as it was", capsys=capsys)
+    assert "FAILED at world size 3, input shape (3, 5)" in out  # 15 elements: no padding, views of the input
+    assert "rank 0's result is right, but your function changed the tensor it was given" in out
+
+
+def test_all_reduce_that_changes_the_callers_tensor_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    def adds_into_input(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+        result = _solution("my_all_reduce")(ctx, tensor.clone())
+        return tensor.copy_(result)  # returns the caller's tensor, overwritten
+
+    fails(check_all_reduce, adds_into_input, world_sizes=(2,),
+          hint="an all-reduce returns the sum and leaves the caller's tensor as it was", capsys=capsys)
+
+
+def test_ring_deadlock_names_the_send_and_the_step(capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsdp_course.classroom.checks import _common
+
+    monkeypatch.setattr(_common, "CHECK_TIMEOUT", 2.0)
+    out = fails(check_ring_all_reduce, ring_send_waits_first, world_sizes=(3,),
+                hint="every rank waited for its send to finish before posting its recv", capsys=capsys)
+    assert ("deadlock: every rank waits in send while no rank receives (rank r waits in send to rank (r + 1) % N, "
+            "its right neighbour, at reduce-scatter step 1 of 2; a send completes only once its peer posts the "
+            "matching recv)") in out
+    assert "rank 2: waiting in send to rank 0 (reduce-scatter step 1 of 2, tag 0, 5 elements)" in out
+    assert "read the end of the traceback" not in out and "GLHF" not in out
+    assert "in ring_send_waits_first: ctx.group.send(" in out
+    assert "simulate.py" not in out and "results[rank] = fn(ctx)" not in out  # only the learner's frames
+
+
+def test_chunk_diagnosis_cannot_solve_chunks_smaller_than_the_world() -> None:
+    from fsdp_course.classroom.checks.collectives import chunk_diagnosis
+
+    inputs = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 5.0])]
+    assert chunk_diagnosis(inputs, torch.tensor([1.0, 7.0]), 2) is None  # one element per chunk, two ranks
+    lines, hint = chunk_diagnosis([torch.tensor([1.0, 2.0, 4.0, 3.0]), torch.tensor([3.0, 5.0, 1.0, 1.0])],
+                                  torch.tensor([7.0, 12.0, 5.0, 4.0]), 2)
+    assert lines == ["chunk 0 (flat elements 0..1) has rank 1's contribution twice"]
+    assert "added twice" in hint

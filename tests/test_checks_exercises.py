@@ -198,6 +198,11 @@ def copies(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tens
     return [v.clone() for v in FLAT["unflatten_views"](flat, shapes)]
 
 
+def pads_a_whole_rank(tensors: list[torch.Tensor], world_size: int) -> torch.Tensor:
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    return torch.cat([flat, flat.new_zeros(world_size - flat.numel() % world_size)])  # world_size zeros if it divides
+
+
 def no_offset(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
     return [flat[:torch.Size(s).numel()].view(s) for s in shapes]
 
@@ -211,6 +216,7 @@ def test_flat_param_reference_passes(capsys: pytest.CaptureFixture[str]) -> None
     (0, no_padding, "no padding: 16 elements over 3 ranks: pad with zeros to the next multiple of 3"),
     (0, pads_with_ones, "the padding must be zeros"),
     (0, reversed_order, "right values, wrong order"),
+    (0, pads_a_whole_rank, "one rank holds everything, so there is nothing to pad: the flat tensor is the 16 elements"),
     (1, article_range, "rank 2's shard has 4 elements, the others 6: this is the article's bug"),
     (1, floor_range, "16 / 3 is not whole: shards have ceil(numel / N) = 6 elements"),
     (2, copies, "tensor 0 is a copy, not a view of the flat buffer"),
@@ -270,9 +276,29 @@ class FullGradInShard(Unit):
         self.reshard()
 
 
+class OverwritesGrad(Unit):
+    """Right for one backward per step; a second backward before the step replaces the first's gradient."""
+
+    def post_backward(self) -> None:
+        self.shard.grad = self.ctx.reduce_scatter(self.full.grad, op="mean")
+        self.full.grad = None
+        self.reshard()
+
+
+class ViewsOnlyOnce(Unit):
+    """Points the module at views of self.full in its first forward only, and reuses them after."""
+
+    def pre_forward(self) -> None:
+        self.unshard()
+        if not getattr(self, "views_made", False):
+            self.set_params(self.layout.unflatten(self.full))
+            self.views_made = True
+
+
 def test_fsdp_unit_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
     out = passes(check_fsdp_unit, Unit, capsys=capsys)
     assert "after each unit's forward and after backward, the gathered parameters were freed" in out
+    assert "step 2 accumulated two backward passes in shard.grad; every forward made fresh views" in out
 
 
 @pytest.mark.parametrize(("cls", "hint"), [
@@ -282,6 +308,9 @@ def test_fsdp_unit_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
     (KeepsGathered, "after its forward, unit 0 still holds its gathered parameters"),
     (KeepsFullGrad, "after backward, unit 0's full gradient (self.full.grad) is still alive"),
     (FullGradInShard, "self.shard.grad must have the shard's shape"),
+    (OverwritesGrad, "rank 0's gradient chunk is half of one process's after two backward passes: the second "
+                     "overwrote the first's gradient"),
+    (ViewsOnlyOnce, "make fresh views in every pre_forward"),
 ])
 def test_fsdp_unit_planted(cls: type, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
     fails(check_fsdp_unit, cls, world_sizes=(2,), hint=hint, capsys=capsys)
@@ -314,6 +343,13 @@ def save_without_barrier(ctx: RankContext, state: dict[str, torch.Tensor], direc
 
 def load_as_double(ctx: RankContext, directory: str) -> dict[str, torch.Tensor]:
     return {k: v.double() for k, v in CKPT["load_sharded"](ctx, directory).items()}
+
+
+def test_checkpoint_exercise_imports_what_it_promises() -> None:
+    """The text says load_sharded may use `os`, `json`, `Path` and `torch`: the notebook's first cell imports them."""
+    from pathlib import Path
+
+    assert CKPT["Path"] is Path and CKPT["os"] is os and CKPT["json"] is json and CKPT["torch"] is torch
 
 
 def test_checkpoint_reference_passes_in_threads(capsys: pytest.CaptureFixture[str]) -> None:

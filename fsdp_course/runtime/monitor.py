@@ -20,6 +20,7 @@ when a member rank of the world ends, and writes its members' states into the wo
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -146,7 +147,12 @@ class WorldMonitor:
             self._set_state(rank, f"running, last finished {what}")
 
     def p2p_diagnosis(self) -> str:
-        """Why a send or recv timed out, from every rank's state: a named deadlock, or the list of states."""
+        """Why a send or recv timed out, from every rank's state: a named deadlock, or the list of states.
+
+        When every live rank waits in a send, the first line names the targets ("rank r waits in send to rank
+        (r + 1) % N, its right neighbour") and, when all the ranks are at the same point, that point (the text
+        after the target in each state, e.g. "reduce-scatter step 1 of 2" where a checker numbers the steps).
+        """
         with self._cond:
             live = {r: s for r, s in enumerate(self._state) if not self._terminal[r]}
             report = self.report()
@@ -155,9 +161,10 @@ class WorldMonitor:
             return (f"rank(s) {', '.join(map(str, ended))} ended without posting the matching send or recv:\n"
                     f"{report}")
         if live and all(s.startswith("waiting in send") for s in live.values()):
-            return ("deadlock: every rank waits in send while no rank receives (a send completes only once its "
-                    "peer posts the matching recv). Post the receive first, or start the send with isend, then "
-                    f"recv, then wait on the send.\n{report}")
+            sends = _sends_described(live, len(self._state))
+            return (f"deadlock: every rank waits in send while no rank receives ({sends};"
+                    " a send completes only once its peer posts the matching recv). Post the receive first, or start "
+                    f"the send with isend, then recv, then wait on the send.\n{report}")
         return f"a send or recv waited for a partner that never came:\n{report}"
 
     def state(self, rank: int) -> str:
@@ -205,3 +212,24 @@ class WorldMonitor:
 
     def _where(self) -> str:
         return f" of the {self.name}" if self.name else ""
+
+
+def _sends_described(waiting: dict[int, str], world_size: int) -> str:
+    """"rank r waits in send to rank (r + 1) % N, its right neighbour, at <step>", from the states
+    "waiting in send to rank P (<step>, ...)"."""
+    targets, points = {}, set()
+    for rank, state in waiting.items():
+        match = re.match(r"waiting in send to rank (\d+)(?: \(([^,)]*))?", state)
+        if match is None:
+            return "see each rank below"
+        targets[rank] = int(match.group(1))
+        points.add(match.group(2) or "")
+    n = world_size
+    if len(waiting) == n and all(t == (r + 1) % n for r, t in targets.items()):
+        text = "rank r waits in send to rank (r + 1) % N, its right neighbour"
+    elif len(waiting) == n and all(t == (r - 1) % n for r, t in targets.items()):
+        text = "rank r waits in send to rank (r - 1) % N, its left neighbour"
+    else:
+        text = ", ".join(f"rank {r} waits in send to rank {t}" for r, t in sorted(targets.items()))
+    point = points.pop() if len(points) == 1 else ""
+    return f"{text}, at {point}" if point and "step" in point else text

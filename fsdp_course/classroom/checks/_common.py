@@ -2,22 +2,36 @@
 
 A checker runs the learner's function (on simulated ranks with `run_checked`, or directly with
 `call_learner`), compares what it got with a pure computation, and either prints what passed or
-prints a `CheckFailure` report (where, what differs, details, a hint) and raises `AssertionError`,
-so that nbgrader scores the cell 0. A function that still raises the stub's `NotImplementedError`
-gets one short `NotImplementedError` saying so ("... is not implemented yet"), instead of a wall of
-rank tracebacks: an unsolved exercise fails in its checker cells only, and only that way.
+raises `CheckFailed` (an `AssertionError`, so that nbgrader scores the cell 0) carrying a
+`CheckFailure` report (where, what differs, details, a hint). A function that still raises the
+stub's `NotImplementedError` gets one short `NotImplementedError` saying so ("... is not implemented
+yet"), instead of a wall of rank tracebacks: an unsolved exercise fails in its checker cells only,
+and only that way.
+
+The report is shown once. In IPython (Jupyter, nbgrader's kernel) both exceptions render through
+IPython's `_render_traceback_` hook (`InteractiveShell.showtraceback` calls it instead of its own
+formatter): the learner's own frames (the cell that called the checker), then the report, without
+the checker's frames and without repeating the report in the exception's last line; the cell still
+gets an error output, which is what nbgrader's `determine_grade` scores 0. In plain Python the report
+is printed, and `str(exc)` is a one-line summary.
+
+While a checker's ranks run, what the learner's code prints is headed by the world size
+("--- world size 2 ---"), since the checker runs it once per world size.
 
 The style follows ARENA's checkers ("All tests in `test_mv` passed!").
 """
 
 from __future__ import annotations
 
+import contextlib
+import linecache
 import os
+import sys
 import sysconfig
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 import torch
 
@@ -26,11 +40,11 @@ from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.monitor import CollectiveHang, CollectiveMismatch
 from fsdp_course.runtime.simulate import RankError, run_ranks
 
-__all__ = ["CHECK_TIMEOUT", "CheckFailure", "call_learner", "compare_tensor", "exception_hint", "format_tensor",
-           "padded_flat_grads",
-           "learner_frames", "not_implemented", "require_callable", "require_world_sizes", "run_checked"]
+__all__ = ["CHECK_TIMEOUT", "CheckFailed", "CheckFailure", "call_learner", "compare_tensor", "exception_hint",
+           "format_tensor", "headed_output", "in_ipython", "learner_frames", "not_implemented", "padded_flat_grads",
+           "render_for_ipython", "require_callable", "require_world_sizes", "run_checked"]
 
-LIBRARY_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../fsdp_course/
+LIBRARY_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # .../fsdp_course/
 _NOT_LEARNER = tuple({LIBRARY_DIR, *(os.path.abspath(sysconfig.get_paths()[k]) + os.sep
                                      for k in ("stdlib", "purelib", "platlib"))})  # this library, torch, Python
 CHECK_TIMEOUT = 10.0  # seconds per run_ranks call: a correct solution needs well under one
@@ -52,10 +66,48 @@ class CheckFailure:
         lines.append(f"  hint: {self.hint}")
         return "\n".join(lines)
 
+    def summary(self) -> str:
+        """The report in one line (`str` of the exception)."""
+        return f"{self.check} failed at {self.where}: {self.problem} (hint: {self.hint})"
+
     def fail(self) -> NoReturn:
-        """Print the report and raise AssertionError (a grader scores the cell 0)."""
-        print(self.report())
-        raise AssertionError(f"{self.check} failed at {self.where}: {self.problem} (hint: {self.hint})") from None
+        """Raise `CheckFailed` (a grader scores the cell 0); outside IPython, print the report first."""
+        if not in_ipython():
+            print(self.report())
+        raise CheckFailed(self) from None
+
+
+class CheckFailed(AssertionError):
+    """A checker found the learner's code wrong. `str()` is one line; IPython shows `failure.report()` once,
+    after the learner's own frames only (the checker's frames are left out)."""
+
+    def __init__(self, failure: CheckFailure) -> None:
+        super().__init__(failure.summary())
+        self.failure = failure
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython's hook: the lines it shows for this exception instead of its own traceback."""
+        return render_for_ipython(self, self.failure.report())
+
+
+def in_ipython() -> bool:
+    """True inside an IPython shell (a Jupyter kernel): exceptions there render through `_render_traceback_`."""
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
+
+
+def render_for_ipython(exc: BaseException, report: str) -> list[str]:
+    """The learner's frames of `exc`'s traceback, as IPython names cells ("Cell In[3], line 1"), then `report`."""
+    lines = []
+    for frame in learner_frame_summaries(exc):
+        label = f"File {frame.filename}, line {frame.lineno}"
+        with contextlib.suppress(Exception):  # IPython's own name of a cell's code, when it knows it
+            named = sys.modules["IPython"].get_ipython().compile.format_code_name(frame.filename)
+            if named is not None:
+                label = f"{named[0]} {named[1]}, line {frame.lineno}"
+        code = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
+        lines += [label, f"----> {code}", ""] if code else [label, ""]
+    return lines + report.splitlines()  # IPython joins the strings with newlines
 
 
 def require_callable(check: str, fn: object, example: str = "my_function") -> str:
@@ -93,9 +145,43 @@ def format_tensor(t: torch.Tensor, limit: int = 16) -> str:
 
 
 def not_implemented(name: str) -> NotImplementedError:
-    return NotImplementedError(
+    """The one short error of a function still at its stub; IPython shows it without the checker's frames."""
+    exc = NotImplementedError(
         f"{name} is not implemented yet: replace `raise NotImplementedError()` in its cell with your code, "
         "run that cell, then run this one again")
+    exc._render_traceback_ = lambda: render_for_ipython(exc, f"NotImplementedError: {exc}")  # type: ignore[attr-defined]
+    return exc
+
+
+class _Headed:
+    """A stream that writes `header` once, before the first text written to it (the learner's prints)."""
+
+    def __init__(self, original: TextIO, header: str) -> None:
+        self._original, self._header = original, header
+
+    def write(self, text: str) -> int:
+        if text and self._header:
+            self._original.write(self._header + "\n")
+            self._header = ""
+        return self._original.write(text)
+
+    def writelines(self, lines: list[str]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, attr: str) -> Any:  # flush, encoding, isatty, fileno, ... of the real stream
+        return getattr(self._original, attr)
+
+
+@contextlib.contextmanager
+def headed_output(header: str) -> Iterator[None]:
+    """Within the block, what is printed (to stdout or stderr) comes after one line `header`."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Headed(saved[0], header), _Headed(saved[1], header)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
 
 
 def _stub_name(exc: BaseException, default: str) -> str:
@@ -114,7 +200,8 @@ def run_checked(check: str, name: str, fn: Callable[[RankContext], Any], world_s
     Raises NotImplementedError if every failing rank is still at a stub, else AssertionError.
     """
     try:
-        return run_ranks(fn, world_size, timeout=CHECK_TIMEOUT if timeout is None else timeout)
+        with headed_output(f"--- world size {world_size} ---"):  # the learner's prints, once per world size
+            return run_ranks(fn, world_size, timeout=CHECK_TIMEOUT if timeout is None else timeout)
     except RankError as err:
         failures = err.failures
         if all(isinstance(e, NotImplementedError) for e in failures.values()):

@@ -7,7 +7,13 @@ the same all-reduce from point-to-point messages around a ring (the "ring all-re
 allreduce and of NCCL/Gloo): N - 1 steps that reduce-scatter, N - 1 steps that all-gather, each
 rank sending one chunk to its right neighbour per step. The checker watches every send and recv
 (a recording wrapper around `ctx.group`), so it can tell a ring from, say, everyone sending
-everything to rank 0.
+everything to rank 0; their waits go through the referee, so a ring where every rank waits on its
+send before receiving is named as a deadlock, with the step ("reduce-scatter step 1 of 2").
+
+Both checkers explain wrong values chunk by chunk (`chunk_diagnosis`: the inputs are small integers,
+so each wrong chunk is solved for as a combination of the ranks' inputs: which rank's contribution
+a chunk lacks or has twice, or which other chunk's values it holds), and fail a function that
+changes the tensor it was given.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from fsdp_course.classroom.checks._common import (
     run_checked,
 )
 from fsdp_course.fsdp.flat_param import padded_numel
+from fsdp_course.runtime.collectives import P2PWork
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.ledger import Record
 from fsdp_course.runtime.monitor import CollectiveMismatch
@@ -59,24 +66,25 @@ def check_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor],
     not divide by the world size), compares every rank's result with the sum computed directly,
     and checks through the ledger that it used reduce_scatter and all_gather but not all_reduce.
     Results are checked shape by shape (1-D shapes first), so padding mistakes show up before
-    reshaping ones.
+    reshaping ones. The caller's tensor must be left unchanged.
     """
     check = "check_all_reduce"
     name = require_callable(check, fn, "my_all_reduce")
     sizes = require_world_sizes(world_sizes)
 
     inputs = {(n, shape): _all_reduce_inputs(n, shape) for n in sizes for shape in ALL_REDUCE_SHAPES}
-    outputs: dict[tuple[int, tuple[int, ...]], list[tuple[Any, list[Record]]]] = {}
+    outputs: dict[tuple[int, tuple[int, ...]], list[tuple[Any, list[Record], bool]]] = {}
     for n in sizes:
         current: list[tuple[int, ...]] = [ALL_REDUCE_SHAPES[0]] * n  # the case each rank is in
 
-        def body(ctx: RankContext, n: int = n, current: list = current) -> list[tuple[Any, list[Record]]]:
+        def body(ctx: RankContext, n: int = n, current: list = current) -> list[tuple[Any, list[Record], bool]]:
             out = []
             for shape in ALL_REDUCE_SHAPES:
                 current[ctx.rank] = shape
                 ctx.ledger.clear()
-                result = fn(ctx, inputs[n, shape][ctx.rank].clone())
-                out.append((result, list(ctx.ledger.records)))
+                given = inputs[n, shape][ctx.rank].clone()
+                result = fn(ctx, given)
+                out.append((result, list(ctx.ledger.records), not torch.equal(given, inputs[n, shape][ctx.rank])))
             return out
 
         def where(rank: int, n: int = n, current: list = current) -> str:
@@ -106,16 +114,14 @@ def check_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor],
 
 
 def _check_one_all_reduce(check: str, n: int, shape: tuple[int, ...], inputs: list[torch.Tensor],
-                          outputs: list[tuple[Any, list[Record]]]) -> None:
+                          outputs: list[tuple[Any, list[Record], bool]]) -> None:
     expected = torch.stack(inputs).sum(0)
     padded = padded_numel(expected.numel(), n)
     where = f"world size {n}, input shape {shape}"
-    for rank, (got, records) in enumerate(outputs):
-        found = compare_tensor(expected, got, world_size=n, rank=rank, padded_numel=padded)
-        if found is not None:
-            problem, hint, details = found
-            details = [f"rank {r} input {format_tensor(x)}" for r, x in enumerate(inputs)] + details
-            CheckFailure(check, where, problem, hint, details).fail()
+    for rank, (got, records, modified) in enumerate(outputs):
+        _check_values(check, where, n, rank, inputs, expected, got, padded)
+        if modified:
+            _input_modified(check, where, rank)
         ops = [r.op for r in records]
         if "all_reduce" in ops:
             CheckFailure(check, where, f"rank {rank} called ctx.all_reduce (calls: {', '.join(ops)})",
@@ -126,20 +132,46 @@ def _check_one_all_reduce(check: str, n: int, shape: tuple[int, ...], inputs: li
 
 
 # -- exercise 01b: ring all-reduce from point-to-point messages ------------------------------------
-class _RecordingGroup:
-    """Wraps a process group: send / recv are passed through and logged as (op, peer, numel)."""
+class _WatchedWork(P2PWork):
+    """A send or recv the learner started on `ctx.group`, waited for under the referee (which names a deadlock)."""
 
-    def __init__(self, group: Any, log: list[tuple[str, int, int]]) -> None:
+    def wait(self, timeout: Any = None) -> bool:
+        super().wait()
+        return True
+
+    def __getattr__(self, name: str) -> Any:  # is_completed, ... of Gloo's work
+        return getattr(self._work, name)
+
+
+class _RecordingGroup:
+    """Wraps a process group: send / recv are passed through, logged as (op, peer, numel), and waited for under
+    the referee, each named by its place in the ring ("reduce-scatter step 1 of 2")."""
+
+    def __init__(self, group: Any, log: list[tuple[str, int, int]], ctx: RankContext) -> None:
         self._group = group
         self._log = log
+        self._ctx = ctx
+
+    def _what(self, op: str, peer: int, tensors: list[torch.Tensor], tag: int) -> str:
+        i, n = sum(1 for o, _, _ in self._log if o == op), self._ctx.world_size
+        if i < n - 1:
+            point = f"reduce-scatter step {i + 1} of {n - 1}"
+        elif i < 2 * (n - 1):
+            point = f"all-gather step {i - n + 2} of {n - 1}"
+        else:
+            point = f"{op} #{i + 1}, past the ring's 2(N-1) = {2 * (n - 1)}"
+        numel = sum(t.numel() for t in tensors)
+        return f"{op} {'to' if op == 'send' else 'from'} rank {peer} ({point}, tag {tag}, {numel} elements)"
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        what = self._what("send", dst, tensors, tag)
         self._log.append(("send", dst, sum(t.numel() for t in tensors)))
-        return self._group.send(tensors, dst, tag)
+        return _WatchedWork(self._ctx, self._group.send(tensors, dst, tag), what)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        what = self._what("recv", src, tensors, tag)
         self._log.append(("recv", src, sum(t.numel() for t in tensors)))
-        return self._group.recv(tensors, src, tag)
+        return _WatchedWork(self._ctx, self._group.recv(tensors, src, tag), what)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._group, name)
@@ -150,6 +182,13 @@ RING_SHAPES: tuple[tuple[int, ...], ...] = ((13,), (3, 5), (8,), (5,), (1,))  # 
 
 def _ring_hint(exc: BaseException) -> str:
     text = str(exc)
+    if "deadlock: every rank" in text and "waits in send" in text:
+        return ("every rank waited for its send to finish before posting its recv, so no send could finish: per "
+                "step, start the send without waiting (work = ctx.group.send([chunk], right, tag)), then "
+                "ctx.group.recv([incoming], left, tag).wait(), then work.wait()")
+    if "ended without posting the matching send or recv" in text:
+        return ("a rank finished while another still waited in a send or recv with it: every send needs the "
+                "matching recv on its peer (same tag, same number of elements), and every recv its send")
     if "Timed out waiting" in text or "timed out" in text.lower():
         return ("a send or recv waited for a partner that never came: per step, every rank starts its send "
                 "(work = ctx.group.send([chunk], right, tag)), waits for its recv from the left, then waits for "
@@ -166,7 +205,7 @@ def check_ring_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor
     Besides the values (as in `check_all_reduce`), checks that no collective was called, that rank r
     only sends to (r + 1) % N and only receives from (r - 1) % N, and that it sends 2 (N - 1)
     messages of one chunk (padded numel / N) each: the ring's traffic, what the ring model charges an
-    all-reduce.
+    all-reduce. The caller's tensor must be left unchanged.
     """
     check = "check_ring_all_reduce"
     name = require_callable(check, fn, "ring_all_reduce")
@@ -175,7 +214,7 @@ def check_ring_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor
     for n in sizes:
         current: list[tuple[int, ...]] = [RING_SHAPES[0]] * n
 
-        def body(ctx: RankContext, n: int = n, current: list = current) -> list[tuple[Any, list, list[str]]]:
+        def body(ctx: RankContext, n: int = n, current: list = current) -> list[tuple[Any, list, list[str], bool]]:
             out = []
             group = ctx.group
             try:
@@ -183,9 +222,11 @@ def check_ring_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor
                     current[ctx.rank] = shape
                     ctx.ledger.clear()
                     log: list[tuple[str, int, int]] = []
-                    ctx.group = _RecordingGroup(group, log)
-                    result = fn(ctx, inputs[n, shape][ctx.rank].clone())
-                    out.append((result, log, [r.op for r in ctx.ledger.records]))
+                    ctx.group = _RecordingGroup(group, log, ctx)
+                    given = inputs[n, shape][ctx.rank].clone()
+                    result = fn(ctx, given)
+                    out.append((result, log, [r.op for r in ctx.ledger.records],
+                                not torch.equal(given, inputs[n, shape][ctx.rank])))
             finally:
                 ctx.group = group
             return out
@@ -210,12 +251,12 @@ def check_ring_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor
 
 
 def _check_one_ring(check: str, n: int, shape: tuple[int, ...], inputs: list[torch.Tensor],
-                    outputs: list[tuple[Any, list[tuple[str, int, int]], list[str]]]) -> None:
+                    outputs: list[tuple[Any, list[tuple[str, int, int]], list[str], bool]]) -> None:
     expected = torch.stack(inputs).sum(0)
     padded = padded_numel(expected.numel(), n)
     chunk = padded // n
     where = f"world size {n}, input shape {shape}"
-    for rank, (got, log, ops) in enumerate(outputs):
+    for rank, (got, log, ops, modified) in enumerate(outputs):
         if ops:
             CheckFailure(check, where, f"rank {rank} called the collective(s) {', '.join(ops)}",
                          "build it from ctx.group.send and ctx.group.recv only: no ctx.all_reduce, "
@@ -241,8 +282,101 @@ def _check_one_ring(check: str, n: int, shape: tuple[int, ...], inputs: list[tor
                         "N - 1 more steps pass the finished chunks round the ring (the all-gather half)")
             CheckFailure(check, where, f"rank {rank} made {len(sends)} sends of {sent} elements in all, "
                          f"{len(recvs)} recvs", hint, [f"expected {expect}"]).fail()
-        found = compare_tensor(expected, got, world_size=n, rank=rank, padded_numel=padded)
-        if found is not None:
-            problem, hint, details = found
-            details = [f"rank {r} input {format_tensor(x)}" for r, x in enumerate(inputs)] + details
-            CheckFailure(check, where, problem, hint, details).fail()
+        _check_values(check, where, n, rank, inputs, expected, got, padded)
+        if modified:
+            _input_modified(check, where, rank)
+
+
+# -- shared by both: the values, chunk by chunk, and the caller's input ------------------------------
+def _input_modified(check: str, where: str, rank: int) -> None:
+    CheckFailure(check, where, f"rank {rank}'s result is right, but your function changed the tensor it was given",
+                 "an all-reduce returns the sum and leaves the caller's tensor as it was (the caller may still need "
+                 "it): work on a copy, e.g. torch.cat of the flattened input and its padding, which is a new tensor "
+                 "even when the padding is empty (reshape(-1) and chunk() are views of the input)").fail()
+
+
+def _check_values(check: str, where: str, n: int, rank: int, inputs: list[torch.Tensor], expected: torch.Tensor,
+                  got: Any, padded: int) -> None:
+    found = compare_tensor(expected, got, world_size=n, rank=rank, padded_numel=padded)
+    if found is None:
+        return
+    problem, hint, details = found
+    details = [f"rank {r} input {format_tensor(x)}" for r, x in enumerate(inputs)] + details
+    if hint.startswith("look at the first element"):  # values differ and no simple scale explains them
+        diagnosis = chunk_diagnosis(inputs, got, n)
+        if diagnosis is not None:
+            lines, hint = diagnosis
+            details += [f"on rank {rank}: {line}" for line in lines]
+    CheckFailure(check, where, problem, hint, details).fail()
+
+
+def chunk_diagnosis(inputs: list[torch.Tensor], got: torch.Tensor, n: int) -> tuple[list[str], str] | None:
+    """What each wrong chunk of an all-reduce's result holds, in terms of the ranks' inputs, and a hint.
+
+    The result is cut into the N chunks of the padded flat tensor. A wrong chunk k is solved for as a combination
+    sum_j a_j x_j of the ranks' inputs restricted to chunk m (m = k first, then the others): the inputs are small
+    integers, so a combination with integer coefficients that matches exactly says which rank's contribution is
+    missing (a_j = 0), there twice (a_j = 2), or that the chunk holds another chunk's values. Chunks with fewer
+    elements than ranks cannot be solved for and are skipped. None when no wrong chunk is explained.
+    """
+    numel = got.numel()
+    c = padded_numel(numel, n) // n
+    x = torch.zeros(n, c * n, dtype=torch.float64)
+    x[:, :numel] = torch.stack([t.reshape(-1).double() for t in inputs])
+    g = got.detach().reshape(-1).double()
+    total = x.sum(0)
+    found: list[tuple[int, int, list[int]]] = []  # (chunk, source chunk, coefficient per rank)
+    for k in range(n):
+        lo, hi = k * c, min((k + 1) * c, numel)
+        if lo >= hi or torch.equal(g[lo:hi], total[lo:hi]):
+            continue
+        for m in [k] + [m for m in range(n) if m != k]:
+            a = x[:, m * c: m * c + hi - lo].T  # (elements, ranks)
+            if int(torch.linalg.matrix_rank(a)) < n:
+                continue
+            coeffs = torch.linalg.lstsq(a, g[lo:hi].unsqueeze(1)).solution.squeeze(1)
+            rounded = coeffs.round()
+            if (coeffs - rounded).abs().max() < 1e-6 and torch.equal(a @ rounded, g[lo:hi]):
+                found.append((k, m, [int(v) for v in rounded]))
+                break
+    if not found:
+        return None
+    lines = []
+    for k, m, coeffs in found:
+        span = f"chunk {k} (flat elements {k * c}..{min((k + 1) * c, numel) - 1})"
+        if m != k:
+            held = "the sum" if all(v == 1 for v in coeffs) else _contributions(coeffs)
+            lines.append(f"{span} holds chunk {m}'s values ({held} of chunk {m})")
+        else:
+            lines.append(f"{span} {_contributions(coeffs, own=True)}")
+    if any(m != k for k, m, _ in found):
+        k, m, _ = next(f for f in found if f[1] != f[0])
+        hint = (f"chunk {k} holds chunk {m}'s values: an index is off, most likely in the all-gather half; the "
+                "chunk a rank receives from its left neighbour belongs at the index the neighbour sent it from")
+    elif any(v > 1 for _, _, coeffs in found for v in coeffs):
+        hint = ("a contribution was added twice: in the all-gather half the finished chunks are received into place "
+                "(overwriting), not added; and each rank's own chunk is added once")
+    else:
+        hint = ("contributions are missing from a chunk: a recv overwrites its tensor, so in the reduce-scatter half "
+                "receive into a separate buffer and add it (chunk.add_(incoming)); each chunk must travel N - 1 steps "
+                "round the ring, collecting one contribution per step")
+    return lines, hint
+
+
+def _contributions(coeffs: list[int], own: bool = False) -> str:
+    """What a combination of the ranks' inputs holds: "is missing rank 1's contribution (it holds only rank 0's)",
+    "has rank 2's contribution twice" (own chunk), or "rank 1's values" (another chunk)."""
+    def ranks(js: list[int]) -> str:
+        return f"rank{'s' if len(js) > 1 else ''} {', '.join(map(str, js))}'s"
+
+    if not own:
+        parts = [f"{v} x rank {j}'s" if v != 1 else f"rank {j}'s" for j, v in enumerate(coeffs) if v]
+        return " + ".join(parts) + " values" if parts else "zeros"
+    missing = [j for j, v in enumerate(coeffs) if v == 0]
+    kept = [j for j, v in enumerate(coeffs) if v == 1]
+    said = [f"has rank {j}'s contribution {'twice' if v == 2 else f'{v} times'}"
+            for j, v in enumerate(coeffs) if v not in (0, 1)]
+    if missing:
+        said.insert(0, f"is missing {ranks(missing)} contribution" + (f" (it holds only {ranks(kept)})"
+                                                                       if kept and len(said) == 0 else ""))
+    return ", and ".join(said)

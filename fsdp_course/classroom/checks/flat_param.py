@@ -106,7 +106,10 @@ def _check_flatten(check: str, name: str, fn: Callable, shapes: Sequence[tuple[i
     if got.numel() != layout.padded_numel:
         hint = (f"{layout.numel} elements over {n} ranks: pad with zeros to the next multiple of {n}, "
                 f"ceil({layout.numel} / {n}) * {n} = {layout.padded_numel}")
-        if got.numel() == layout.numel:
+        if n == 1:
+            hint = (f"one rank holds everything, so there is nothing to pad: the flat tensor is the {layout.numel} "
+                    "elements laid end to end (pad by (-numel) % world_size zeros, which is 0 here)")
+        elif got.numel() == layout.numel:
             hint = f"no padding: {hint}"
         CheckFailure(check, where, f"the flat tensor has {got.numel()} elements, expected {layout.padded_numel}",
                      hint, details).fail()

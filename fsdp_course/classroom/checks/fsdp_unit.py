@@ -11,7 +11,11 @@ each rank's slice of the global batches and compares with one process on the who
 each rank's gradient chunk after every backward, its parameter shard after every step. It also
 watches memory: after a unit's forward and after the backward, its gathered buffer must be freed.
 The unit must expose `shard` (this rank's chunk, an `nn.Parameter`), `full` (the gathered buffer)
-and `layout` (its `FlatParamLayout`).
+and `layout` (its `FlatParamLayout`). Step 2 runs two forward and backward passes, each on half the
+loss, before the optimizer step (gradient accumulation): a post_backward that overwrites `shard.grad`
+instead of adding to it leaves half the gradient. Every forward must point the module at fresh views
+of `full`: views kept from an earlier forward belong to that forward's autograd graph (made under
+`torch.no_grad()`, in an evaluation pass, they would carry no gradient at all).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ __all__ = ["check_fsdp_unit"]
 SIZES = (5, 7, 4, 3)  # Linear(5, 7) 42, Linear(7, 4) 32, Linear(4, 3) 15 parameters: units 0, 2, 4
 UNIT_INDICES = (0, 2, 4)
 STEPS, GLOBAL_BATCH, LR = 3, 12, 0.5
+ACCUMULATE_STEP = 2  # this step runs two forward/backward passes (each on half the loss) before the step
 
 
 def _unit_hint(exc: BaseException) -> str:
@@ -102,26 +107,37 @@ def check_fsdp_unit(unit_class: Callable[[nn.Module, RankContext], Any],
             state[ctx.rank] = (0, "building the units")
             units = [unit_class(m[i], ctx) for i in UNIT_INDICES]
             freed_after_forward: list[tuple[int, int]] = []  # (unit, bytes still held)
-            for k, i in enumerate(UNIT_INDICES):  # runs after the unit's own post_forward hook
-                m[i].register_forward_hook(
-                    lambda mod, args, out, u=units[k], k=k: freed_after_forward.append(
-                        (k, u.full.untyped_storage().nbytes())))
+            last_views: list[Any] = [None] * len(units)  # each unit's module.weight in its previous forward
+            reused: list[int] = []  # units whose forward used the previous forward's views again
+
+            def after_forward(mod: nn.Module, k: int, unit: Any) -> None:  # after the unit's own post_forward
+                freed_after_forward.append((k, unit.full.untyped_storage().nbytes()))
+                weight = mod.__dict__.get("weight", mod._parameters.get("weight"))
+                if weight is not None and weight is last_views[k]:
+                    reused.append(k)
+                last_views[k] = weight
+
+            for k, i in enumerate(UNIT_INDICES):
+                m[i].register_forward_hook(lambda mod, args, out, u=units[k], k=k: after_forward(mod, k, u))
             opt = torch.optim.SGD([u.shard for u in units], lr=LR)
             steps = []
             for step, batch in enumerate(batches, 1):
                 x, y = local_slice(batch, ctx.rank, n)
-                state[ctx.rank] = (step, "forward")
                 freed_after_forward.clear()
-                loss = F.cross_entropy(m(x), y)
-                state[ctx.rank] = (step, "backward")
-                loss.backward()
+                reused.clear()
+                passes = 2 if step == ACCUMULATE_STEP else 1
+                for p in range(passes):
+                    state[ctx.rank] = (step, "forward" if passes == 1 else f"forward {p + 1} of {passes}")
+                    loss = F.cross_entropy(m(x), y) / passes
+                    state[ctx.rank] = (step, "backward" if passes == 1 else f"backward {p + 1} of {passes}")
+                    loss.backward()
                 after_backward = [(u.full.untyped_storage().nbytes(), u.full.grad is not None) for u in units]
                 grads = [None if u.shard.grad is None else u.shard.grad.detach().clone() for u in units]
                 state[ctx.rank] = (step, "optimizer step")
                 opt.step()
                 opt.zero_grad()
                 steps.append((list(freed_after_forward), after_backward, grads,
-                              [u.shard.detach().clone() for u in units]))
+                              [u.shard.detach().clone() for u in units], sorted(set(reused))))
             return steps
 
         def where(r: int, n: int = n, state: list = state) -> str:
@@ -135,12 +151,20 @@ def check_fsdp_unit(unit_class: Callable[[nn.Module, RankContext], Any],
     print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
     print(f"  3 units (Linear {SIZES[0]}->{SIZES[1]}->{SIZES[2]}->{SIZES[3]}), {STEPS} SGD steps, global batch "
           f"{GLOBAL_BATCH}: every rank's gradient chunk and parameter shard equal one process's, at every step")
+    print(f"  step {ACCUMULATE_STEP} accumulated two backward passes in shard.grad; every forward made fresh views")
     print("  after each unit's forward and after backward, the gathered parameters were freed")
 
 
 def _compare(check: str, n: int, rank: int, step: int, record: Any, ref: Any, layouts: list[FlatParamLayout]) -> None:
-    freed_after_forward, after_backward, grads, shards = record
+    freed_after_forward, after_backward, grads, shards, reused = record
     where = f"world size {n}, rank {rank}, step {step}"
+    if step == ACCUMULATE_STEP:
+        where += " (two forward and backward passes, each on half the loss, before the optimizer step)"
+    for k in reused:
+        CheckFailure(check, where, f"unit {k}'s module used the same parameter views as in its previous forward",
+                     "make fresh views in every pre_forward (self.set_params(self.layout.unflatten(self.full))): views "
+                     "kept from an earlier forward belong to that forward's autograd graph; made under torch.no_grad() "
+                     "(an evaluation pass) they would carry no gradient at all").fail()
     for k, held in freed_after_forward:
         if held:
             CheckFailure(check, where, f"after its forward, unit {k} still holds its gathered parameters ({held} B)",
@@ -169,11 +193,16 @@ def _compare(check: str, n: int, rank: int, step: int, record: Any, ref: Any, la
             c = scale_ratio(got, expected, rtol=1e-3)
             hint = ("the averaged gradient's chunk r: ctx.reduce_scatter(self.full.grad, op='mean'), "
                     "with the forward and backward both using the gathered parameters")
-            if c is not None and n > 1 and abs(c / n - 1) < 1e-3:
+            if c is not None and step == ACCUMULATE_STEP and abs(c * 2 - 1) < 1e-3:  # step 1 was right
+                hint = (f"rank {rank}'s gradient chunk is half of one process's after two backward passes: the "
+                        "second overwrote the first's gradient; accumulate, as autograd does: self.shard.grad = chunk "
+                        "if self.shard.grad is None else self.shard.grad + chunk")
+            elif c is not None and n > 1 and abs(c / n - 1) < 1e-3:
                 hint = (f"rank {rank}'s gradient chunk is {n}x too large: did you average over the world size "
                         "(op='mean')?")
             elif c is not None and n > 1 and abs(c * n - 1) < 1e-3:
                 hint = f"rank {rank}'s gradient chunk is {n}x too small: it was averaged twice"
+
             details.append(f"max difference {max_rel_diff(got, expected):.3g} relative to the largest value")
             CheckFailure(check, where, f"unit {k}'s gradient chunk differs from one process's", hint, details).fail()
         expected_shard = layout.shard(layout.flatten([ref.params[f"{UNIT_INDICES[k]}.{i.name}"] for i in infos]), rank)
