@@ -3,6 +3,7 @@ diagnosis that names them: each planted function is the reference with one thing
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 
 import pytest
@@ -35,6 +36,10 @@ def offload_on_device(psi, n, stage, offload, unit):  # counted the offloaded st
     return REF(psi, n, stage, False, unit)
 
 
+def offload_keeps_shards(psi, n, stage, offload, unit):  # offload moved only Adam's state to the host
+    return REF(psi, n, stage, False, unit) - (8 * psi / n if offload else 0)
+
+
 def no_gathered_unit(psi, n, stage, offload, unit):
     return REF(psi, n, stage, offload, unit) - (8 * unit if stage == 3 else 0)
 
@@ -55,6 +60,20 @@ def smallest_with(device: Callable) -> Callable:
     def smallest(psi, unit, capacity, stage, offload):
         return next((n for n in range(1, 65) if device(psi, n, stage, offload, unit) <= capacity), None)
     return smallest
+
+
+def smallest_calling(device_peak: Callable) -> Callable:
+    """The reference smallest_world_size as the notebook defines it, its global `device_peak` the planted one."""
+    ref = BUDGET["smallest_world_size"]
+    return types.FunctionType(ref.__code__, {"device_peak": device_peak, "__builtins__": __builtins__}, ref.__name__)
+
+
+def smallest_never_tries_64(psi, unit, capacity, stage, offload):
+    return next((n for n in range(1, 64) if REF(psi, n, stage, offload, unit) <= capacity), None)
+
+
+def smallest_past_64(psi, unit, capacity, stage, offload):
+    return next((n for n in range(1, 129) if REF(psi, n, stage, offload, unit) <= capacity), None)
 
 
 def smallest_off_by_one(psi, unit, capacity, stage, offload):
@@ -78,6 +97,14 @@ def comm_n_steps(psi, n, units, alpha, beta):  # N latency steps and N/N of the 
     return units * 3 * (n * alpha + 4 * psi / units * beta) if n > 1 else 0.0
 
 
+def comm_alpha_once(psi, n, units, alpha, beta):  # one alpha per collective, not N - 1
+    return units * 3 * (alpha + (n - 1) / n * 4 * psi / units * beta) if n > 1 else 0.0
+
+
+def comm_whole_payload(psi, n, units, alpha, beta):  # every collective moves the whole model
+    return units * 3 * ((n - 1) * alpha + (n - 1) / n * 4 * psi * beta)
+
+
 def comm_one_collective(psi, n, units, alpha, beta):  # the whole model as one collective per pass
     return 3 * ((n - 1) * alpha + (n - 1) / n * 4 * psi * beta)
 
@@ -89,6 +116,13 @@ def comm_two_collectives(psi, n, units, alpha, beta):  # forgot the backward all
 def test_references_pass(capsys: pytest.CaptureFixture[str]) -> None:
     out = passes(check_device_peak, REF, capsys=capsys)
     assert "predicted 33,280 B + activations" in out
+    # the measured peak, term by term: below the bound without offload (one unit's sharded gradient is not made yet)
+    assert ("ZeRO-3 on 2 ranks: predicted 166,400 B + activations, measured peak 159,152 B at 'post_backward: grads "
+            "ready layers.0'\n    = 166,400 (the formula) - 8,320 (layers.0's own sharded gradient, 4 x 4,160 / 2: the "
+            "formula counts it, but the reduce-scatter that makes it comes next) + 16 (Adam's step counts) + 1,056 "
+            "(activations)\n") in out, out
+    assert "measured peak 37,408 B at 'post_backward: grads ready layers.3'\n    = 33,280 (the formula) + 4,128 " \
+           "(activations)\n" in out, out
     out = passes(check_smallest_world_size, BUDGET["smallest_world_size"], capsys=capsys)
     assert "ZeRO-3: N = 4 fits, N = 3 runs out (grads); ZeRO-3 + offload: N = 1 fits" in out
     passes(check_bytes_sent, BUDGET["bytes_sent"], capsys=capsys)
@@ -100,6 +134,7 @@ def test_references_pass(capsys: pytest.CaptureFixture[str]) -> None:
     (no_optimizer, "you forgot the optimizer's state: Adam keeps two fp32 moments, 8 bytes per parameter"),
     (adam_four_bytes, "8 bytes per parameter, not 4"),
     (offload_on_device, "you counted the offloaded state against the device"),
+    (offload_keeps_shards, "you kept the sharded parameters and gradients (8Ψ/N) on the device"),
     (no_gathered_unit, "the largest unit's full parameters and its full gradient are on the device too"),
     (elements, "those are elements, not bytes"),
     (never_shards, "shards some states over the N ranks: divide what it shards by N"),
@@ -113,6 +148,11 @@ def test_device_peak_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.
     (smallest_with(offload_on_device), "you counted the offloaded state against the device"),
     (smallest_with(no_gathered_unit), "ZeRO-3 also holds the largest unit gathered with its gradient"),
     (smallest_off_by_one, "try N = 1, 2, 3"),
+    (smallest_never_tries_64, "N = 64 fits, and your search never tried it: range(1, 64) stops at 63"),
+    (smallest_past_64, "the search is N = 1 to 64: when none of them fits, return None (you went on to N = 65)"),
+    (smallest_calling(offload_keeps_shards), "your device_peak gives 4,737,024 B at N = 1, the formula 526,336 B: fix "
+                                             "device_peak first"),
+    (smallest_calling(no_optimizer), "your device_peak gives 4,737,024 B at N = 1, the formula 8,947,712 B"),
 ])
 def test_smallest_world_size_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
     fails(check_smallest_world_size, fn, hint=hint, capsys=capsys)
@@ -129,11 +169,18 @@ def test_bytes_sent_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.C
 
 @pytest.mark.parametrize(("fn", "hint"), [
     (comm_n_steps, "use N - 1 where you used N"),
+    (comm_alpha_once, "the latency term is (N-1)x too small (3x here)"),
+    (comm_whole_payload, "the bandwidth term is units x too large (8x here): one unit's payload is 4Ψ/units bytes"),
     (comm_one_collective, "each unit is its own collective"),
     (comm_two_collectives, "ZeRO-3 runs three collectives per unit and step"),
 ])
 def test_comm_seconds_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
     fails(check_comm_seconds, fn, hint=hint, capsys=capsys)
+
+
+def test_the_loop_is_not_blamed_for_a_right_device_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    """The reference loop over the reference device_peak passes; over a wrong one the hint names device_peak."""
+    passes(check_smallest_world_size, smallest_calling(REF), capsys=capsys)
 
 
 def test_the_run_catches_what_the_formula_cases_do_not(capsys: pytest.CaptureFixture[str]) -> None:

@@ -89,9 +89,12 @@ def test_the_course_s_own_cut_passes(capsys: pytest.CaptureFixture[str]) -> None
 @pytest.mark.parametrize(("fn", "hint"), [
     (floor_rows, "rows per rank are ceil(d0 / N) = ceil(17 / 2) = 9, as torch.chunk takes them"),
     (tensor_split, "rows per rank are ceil(d0 / N) = ceil(17 / 4) = 5"),
-    (plain_chunk, "torch.chunk(p, N, dim=0) returns fewer than N chunks when the first dimension is short"),
+    (plain_chunk, "torch.chunk(p, N, dim=0) returns fewer than N chunks when the first dimension is short: "
+                  "'fc.weight' has d0 = 3 rows; over 4 ranks c = ceil(3 / 4) = 1 rows each, so torch.chunk gives 3 "
+                  "chunks and rank 3 none"),
     (flattened, "keep the rows' shape: (17, *shape[1:]), not a flat run of elements"),
-    (ignores_offset, "'fc.weight' (3, 4): the chunk holds other values"),
+    (ignores_offset, "these are flat elements 0-11: you ignored info.offset: 'fc.weight' starts at flat element 68, "
+                     "and this rank's rows of it are flat elements 68-79"),
     (views, "return a copy (.clone()): a view keeps the whole gathered unit alive"),
     (returns_dict, "returned dict, not a list of tensors"),
     (with_padding, "returned 4 tensors for 3 parameters"),
@@ -110,6 +113,33 @@ def test_flat_shard_pieces_are_named(capsys: pytest.CaptureFixture[str]) -> None
 def test_where_it_failed_is_named(capsys: pytest.CaptureFixture[str]) -> None:
     out = fails(check_dim0_chunks, plain_chunk, hint="returns fewer than N chunks", capsys=capsys)
     assert "FAILED at world size 4, rank 3, unit 'embedding and head'" in out, out  # fc's 3 rows on 4 ranks
+    out = fails(check_dim0_chunks, ignores_offset, hint="'fc.weight' (3, 4): the chunk holds other values",
+                capsys=capsys)
+    assert "FAILED at world size 1, rank 0, unit 'embedding and head'" in out, out
+
+
+def test_the_short_parameter_named_is_the_failing_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """The hint's example is the case that failed: on the MLP unit alone, 'gate' (2 rows) at 3 ranks, rank 2."""
+    from fsdp_course.classroom.checks import dcp as checks_dcp
+
+    units = dict(checks_dcp.UNITS)
+    try:
+        del checks_dcp.UNITS["embedding and head"]
+        out = fails(check_dim0_chunks, plain_chunk, capsys=capsys,
+                    hint="'gate' has d0 = 2 rows; over 3 ranks c = ceil(2 / 3) = 1 rows each, so torch.chunk gives 2 "
+                         "chunks and rank 2 none")
+    finally:
+        checks_dcp.UNITS.clear()
+        checks_dcp.UNITS.update(units)
+    assert "FAILED at world size 3, rank 2, unit 'an MLP layer'" in out, out
+
+
+def test_a_run_of_other_flat_elements_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    def next_rank_rows(layout, flat, rank, world_size):  # the rows of rank + 1 (wrapping): one run, the wrong one
+        return CHECKPOINTS["dim0_chunks"](layout, flat, (rank + 1) % world_size, world_size)
+
+    fails(check_dim0_chunks, next_rank_rows, capsys=capsys, world_sizes=(3,),  # 17 rows: 6, 6, 5
+          hint="these are flat elements 24-47, this rank's rows of 'embedding.weight' are flat elements 0-23")
 
 
 def test_the_stub_gives_one_short_not_implemented() -> None:

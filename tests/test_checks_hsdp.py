@@ -48,6 +48,16 @@ def reduce_scatter_over_world(mesh, grad):
     return mesh.replicate.all_reduce(local, op="mean")
 
 
+def groups_swapped(mesh, grad):  # reduce-scatter across the replicas, all-reduce along the row
+    local = mesh.replicate.reduce_scatter(grad, op="mean")
+    return mesh.shard.all_reduce(local, op="mean")
+
+
+def both_over_world(mesh, grad):
+    local = mesh.world.reduce_scatter(grad, op="mean")
+    return mesh.world.all_reduce(local, op="mean")
+
+
 def all_reduce_first(mesh, grad):  # right values, S times the inter-group bytes
     mesh.replicate.all_reduce(grad, op="mean")
     return mesh.shard.reduce_scatter(grad, op="mean")
@@ -69,9 +79,13 @@ def test_reference_solution_passes(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(("planted", "hint"), [
-    (all_reduce_sums, "R times too large: the all-reduce summed the replicas"),
-    (reduce_scatter_sums, "S times too large: the reduce-scatter summed the shard group"),
-    (both_sum, "N times too large: both collectives summed"),
+    (all_reduce_sums, "2x too large (R = 2): the all-reduce summed the replicas"),
+    (reduce_scatter_sums, "3x too large (S = 3): the reduce-scatter summed the shard group"),
+    (both_sum, "6x too large (N = R x S = 6): both collectives summed"),
+    (groups_swapped, "both collectives ran in the wrong group (the two groups swapped): the reduce-scatter in "
+                     "mesh.replicate, the all-reduce in mesh.shard"),
+    (both_over_world, "both collectives ran in the wrong group: the reduce-scatter in the whole world (ctx), the "
+                      "all-reduce in the whole world (ctx)"),
     (no_all_reduce, "replicas disagree: ranks 0 and 3 hold shard 0 but different values"),
     (all_reduce_in_shard_group, "all-reduce over the wrong group: it ran in mesh.shard"),
     (all_reduce_over_world, "all-reduce over the wrong group: it ran over the whole world"),

@@ -64,6 +64,42 @@ class BaseNotFrozen(Reference):
         base.requires_grad_(True)
 
 
+class BiasNotFrozen(Reference):
+    def __init__(self, base, rank, alpha):
+        super().__init__(base, rank, alpha)
+        base.bias.requires_grad_(True)
+
+
+class WeightKeptAside(Reference):
+    """Right at every step alone and under the course's FSDP (which swaps the base's parameters for views): a forward
+    that never reads self.base."""
+
+    def __init__(self, base, rank, alpha):
+        super().__init__(base, rank, alpha)
+        self.w = base.weight  # the same Parameter, registered a second time
+
+    def forward(self, x):
+        return F.linear(x, self.w, self.base.bias) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+
+
+class CopyKeptAside(Reference):
+    def __init__(self, base, rank, alpha):
+        super().__init__(base, rank, alpha)
+        self.w, self.b = base.weight.detach().clone(), base.bias.detach().clone()
+
+    def forward(self, x):
+        return F.linear(x, self.w, self.b) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+
+
+class BiasKeptAside(Reference):
+    def __init__(self, base, rank, alpha):
+        super().__init__(base, rank, alpha)
+        self.b = base.bias.detach()
+
+    def forward(self, x):
+        return F.linear(x, self.base.weight, self.b) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+
+
 class TransposedA(Reference):
     def __init__(self, base, rank, alpha):
         super().__init__(base, rank, alpha)
@@ -122,7 +158,12 @@ def test_the_reference_solutions_pass(capsys: pytest.CaptureFixture[str]) -> Non
     (BothZero, "with A and B both zero"),
     (Unscaled, "the update is not scaled: multiply B(A x) by alpha / rank (here 4 / 2 = 2)"),
     (ScaledByAlpha, "the update is scaled by alpha: the scaling is alpha / rank (here 2, not 4)"),
-    (BaseNotFrozen, "freeze the pretrained Linear: self.base.requires_grad_(False)"),
+    (BaseNotFrozen, "the base's weight and bias still require grad"),
+    (BiasNotFrozen, "the base's bias still requires grad"),
+    (WeightKeptAside, "your forward does not go through self.base: it uses a weight kept aside, which FSDP would "
+                      "empty (sharded away)"),
+    (CopyKeptAside, "it uses a weight and bias kept aside"),
+    (BiasKeptAside, "it uses a bias kept aside"),
     (TransposedA, "A maps the input down to `rank` values: (rank, in_features)"),
     (PlainTensors, "make self.lora_A = nn.Parameter(...)"),
     (CopiedBase, "keep the Linear you were given as self.base"),
@@ -131,6 +172,12 @@ def test_the_reference_solutions_pass(capsys: pytest.CaptureFixture[str]) -> Non
 ])
 def test_planted_mistakes_fail_with_their_hint(planted: type, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
     fails(check_lora_linear, planted, hint=hint, capsys=capsys, world_sizes=(2,))
+
+
+def test_a_weight_kept_aside_passes_every_other_stage() -> None:
+    """Why the swap is checked: the layer alone and the fine-tuning under FSDP do not see a weight kept aside."""
+    for planted in (WeightKeptAside, CopyKeptAside):
+        _under_fsdp(planted, [2])
 
 
 def test_the_fsdp_stage_fails_what_one_process_would_not_compute() -> None:

@@ -17,7 +17,11 @@ answer is then confirmed by running the configuration for real on simulated rank
 Formulas: ZeRO (arXiv:1910.02054, sections 5.1 and 7); FSDP (arXiv:2304.11277) adds the gathered unit and its
 gradient (8 bytes per parameter of the largest unit); CPU offload (torch's `CPUOffloadPolicy`, the course's
 `OffloadPolicy`) moves the sharded 16 Psi / N to the host. The diagnoses name the usual mistakes: Adam's 8 bytes per
-parameter forgotten, N instead of N - 1 in the ring, offloaded state counted against the device.
+parameter forgotten, N instead of N - 1 in the ring, offloaded state counted against the device (or only part of it
+moved), a search that stops before N = 64 or goes past it, alpha paid once per collective instead of N - 1 times, the
+whole model's bytes as one unit's payload; a `smallest_world_size` built on a wrong `device_peak` is sent back to
+`device_peak`. The measured peak of the run is printed term by term against the formula (a bound: at the moment of the
+peak one unit's sharded gradient is not made yet).
 """
 
 from __future__ import annotations
@@ -31,7 +35,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_course.classroom.checks._common import CHECK_TIMEOUT, CheckFailure, call_learner, require_callable
-from fsdp_course.memory import DeviceOutOfMemory, attach, budget_formula, record_event, zero_formula
+from fsdp_course.memory import (
+    DEVICE,
+    DeviceOutOfMemory,
+    attach,
+    budget_formula,
+    pool_bytes,
+    pool_of,
+    record_event,
+    zero_formula,
+)
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.cost_model import CostFit, ring_steps
 from fsdp_course.runtime.ledger import traffic_formula
@@ -79,6 +92,14 @@ def _device_hint(got: float, psi: int, n: int, stage: int, offload: bool, unit: 
         return ("you counted the offloaded state against the device: with offload the sharded parameters, their "
                 "gradients and Adam's state (16 Psi / N bytes) live on the host, and only the gathered unit with its "
                 "gradient (8 bytes per parameter of the unit) is on the device")
+    kept = {"the sharded parameters and gradients (8Ψ/N)": states["params"] + states["grads"],
+            "the sharded parameters or their gradients (4Ψ/N)": states["params"],
+            "the sharded parameters or gradients and Adam's state (12Ψ/N)": states["params"] + states["optimizer"]}
+    for what, nbytes in kept.items():
+        if offload and _close(got, expected["device"] + nbytes):
+            return (f"you kept {what} on the device: offload moves them to the host too, with Adam's state (all of "
+                    "16Ψ/N); the device holds only the gathered unit and its gradient, 8 bytes per parameter of "
+                    "the unit")
     if _close(got, expected["device"] - states["optimizer"]) and states["optimizer"]:
         return ("you forgot the optimizer's state: Adam keeps two fp32 moments, 8 bytes per parameter (sharded over "
                 "N from ZeRO-1 on)")
@@ -101,7 +122,9 @@ def _device_hint(got: float, psi: int, n: int, stage: int, offload: bool, unit: 
 
 def run_with_budget(world_size: int, offload: bool, capacity: int, steps: int = 2) -> list[dict[str, Any]]:
     """Train the run model (ZeRO-3, the course's FSDP, one unit per Linear, Adam) on `world_size` ranks with the
-    device budget on; per rank {"fits", "peak_device", "sent", "collectives", "ring_steps", "error"}."""
+    device budget on; per rank {"fits", "peak_device", "peak_label", "peak_snapshot", "sent", "collectives",
+    "ring_steps", "error"}: the peak's snapshot is the bytes by category on the device at the recorded point where
+    the device held the most."""
     from fsdp_course.fsdp.api import FSDP
     from fsdp_course.fsdp.flat_param import OffloadPolicy
     from fsdp_course.models import MLP
@@ -128,7 +151,10 @@ def run_with_budget(world_size: int, offload: bool, capacity: int, steps: int = 
         except DeviceOutOfMemory as e:
             return {"fits": False, "error": str(e), "category": e.category}
         records = list(ctx.ledger)
-        return {"fits": True, "peak_device": recorder.peak_device, "sent": ctx.ledger.total()[0],
+        at_peak = next(snap for _, snap in recorder.events if pool_bytes(snap, fsdp, DEVICE) == recorder.peak_device)
+        return {"fits": True, "peak_device": recorder.peak_device, "peak_label": recorder.peak_device_label,
+                "peak_snapshot": {c: b for c, b in at_peak.items() if b and pool_of(fsdp, c) == DEVICE},
+                "sent": ctx.ledger.total()[0],
                 "collectives": len(records),
                 "ring_steps": sum(ring_steps(r.op, ctx.world_size) for r in records) if ctx.world_size > 1 else 0}
 
@@ -165,11 +191,39 @@ def check_device_peak(fn: Callable[[int, int, int, bool, int], float]) -> None:
             CheckFailure(check, where, f"with a budget of your prediction + {RUN_ACTIVATIONS:,} B for activations, "
                          "the run ran out of device memory", "your prediction is too low",
                          [ran[0]["error"]]).fail()
-        rows.append((where, predicted, ran[0]["peak_device"]))
+        rows.append((where, offload, predicted, ran[0]))
     print(f"All tests in {check} passed (world sizes {', '.join(map(str, WORLD_SIZES))} against budget_formula; "
           "2 for real with the budget on)")
-    for where, predicted, measured in rows:
-        print(f"  {where}: predicted {predicted:,.0f} B + activations, measured peak {measured:,} B")
+    for where, offload, predicted, ran0 in rows:
+        print(f"  {where}: predicted {predicted:,.0f} B + activations, measured peak {ran0['peak_device']:,} B "
+              f"at '{ran0['peak_label']}'")
+        print(f"    {_peak_terms(psi, unit, 2, offload, ran0)}")
+
+
+def _peak_terms(psi: int, unit: int, n: int, offload: bool, ran: dict[str, Any]) -> str:
+    """The measured peak as the formula's device bytes plus or minus what differs at that moment, each term read off
+    the snapshot at the peak: the activations, Adam's step counts (a scalar tensor per flat parameter, which the
+    formula's 8 bytes per parameter leave out), and the sharded gradient of the unit whose full gradient just became
+    ready (the formula counts every unit's sharded gradient at once; that unit's is made only by the reduce-scatter
+    that follows)."""
+    formula = budget_formula(psi, n, 3, offload=offload, gathered_numel=unit)
+    snap = ran["peak_snapshot"]
+    activations = snap.get("activations", 0)
+    steps = snap.get("optimizer", 0) - (0 if offload else formula["optimizer"])
+    grads = snap.get("sharded_grads", 0) - (0 if offload else formula["grads"])
+    other = ran["peak_device"] - formula["device"] - activations - steps - grads
+    terms = [f"{formula['device']:,.0f} (the formula)"]
+    if grads < 0:
+        name = ran["peak_label"].split()[-1]
+        terms.append(f"- {-grads:,.0f} ({name}'s own sharded gradient, 4 x {unit:,} / {n}: the formula counts it, but "
+                     "the reduce-scatter that makes it comes next)" if _close(-grads, 4 * unit / n) else
+                     f"- {-grads:,.0f} (sharded gradients not made yet)")
+    if steps:
+        terms.append(f"+ {steps:,.0f} (Adam's step counts)")
+    terms.append(f"+ {activations:,} (activations)")
+    if other:
+        terms.append(f"{'+' if other > 0 else '-'} {abs(other):,.0f} (other)")
+    return f"= {' '.join(terms)}"
 
 
 # -- smallest_world_size ---------------------------------------------------------------------------------------------
@@ -180,12 +234,34 @@ def expected_smallest_world_size(psi: int, unit: int, capacity: float, stage: in
     return None
 
 
+# a capacity that fits the 1.3B model's ZeRO-3 at N = MAX_WORLD_SIZE exactly, not at MAX_WORLD_SIZE - 1
+EDGE_CAPACITY = budget_formula(1_300_000_000, MAX_WORLD_SIZE, 3, gathered_numel=52_000_000)["device"]
 SMALLEST_CASES = (  # (psi, unit_numel, capacity in bytes, stage, offload)
     (526_336, 65_792, 3 * MiB, 3, False), (526_336, 65_792, 3 * MiB, 3, True), (526_336, 65_792, 3 * MiB, 2, False),
     (526_336, 65_792, 5 * MiB, 1, False), (526_336, 65_792, 3 * MiB, 0, False), (526_336, 65_792, 0.4 * MiB, 3, True),
     (1_300_000_000, 52_000_000, 80 * 2**30, 2, False), (1_300_000_000, 52_000_000, 2 * 2**30, 3, False),
     (1_300_000_000, 52_000_000, 1 * 2**30, 3, True), (10_000, 4_000, 80_000, 3, False),
+    # the edge of the search: the answer is the last N tried, then (one byte less) no N fits: None
+    (1_300_000_000, 52_000_000, EDGE_CAPACITY, 3, False), (1_300_000_000, 52_000_000, EDGE_CAPACITY - 1, 3, False),
 )
+
+
+def _device_peak_blame(fn: Callable[..., Any], psi: int, unit: int, stage: int, offload: bool) -> str | None:
+    """If `fn` calls the learner's `device_peak` (a global of their notebook) and that gives another number than the
+    formula at some N of the search, a hint that says so (the loop is not what is wrong), else None."""
+    device_peak = getattr(fn, "__globals__", {}).get("device_peak")
+    if not callable(device_peak) or "device_peak" not in getattr(getattr(fn, "__code__", None), "co_names", ()):
+        return None
+    for n in range(1, MAX_WORLD_SIZE + 1):
+        expected = budget_formula(psi, n, stage, offload=offload, gathered_numel=unit)["device"]
+        try:
+            got = float(device_peak(psi, n, stage, offload, unit))
+        except Exception:  # noqa: BLE001  (the loop's own failure is reported instead)
+            return None
+        if not _close(got, expected):
+            return (f"your device_peak gives {got:,.0f} B at N = {n}, the formula {expected:,.0f} B: fix device_peak "
+                    "first (check_device_peak names the mistake): your loop only follows it")
+    return None
 
 
 def _smallest_hint(got: float | None, psi: int, unit: int, capacity: float, stage: int, offload: bool) -> str:
@@ -203,9 +279,17 @@ def _smallest_hint(got: float | None, psi: int, unit: int, capacity: float, stag
     if stage == 3 and got == smallest(lambda n: formula(n)["device"] - zero_formula(psi, n, stage,
                                                                                      gathered_numel=unit)["gathered"]):
         return "ZeRO-3 also holds the largest unit gathered with its gradient: 8 bytes per parameter of the unit"
-    if got is not None and got < MAX_WORLD_SIZE and formula(int(got))["device"] > capacity:
+    expected = smallest(lambda n: formula(n)["device"])
+    if got is None and expected == MAX_WORLD_SIZE:
+        return (f"N = {MAX_WORLD_SIZE} fits, and your search never tried it: range(1, {MAX_WORLD_SIZE}) stops at "
+                f"{MAX_WORLD_SIZE - 1}; try every N from 1 to {MAX_WORLD_SIZE} (range(1, {MAX_WORLD_SIZE + 1}))")
+    if expected is None and got is not None and got > MAX_WORLD_SIZE:
+        return (f"the search is N = 1 to {MAX_WORLD_SIZE}: when none of them fits, return None (you went on to "
+                f"N = {got:.0f})")
+    if got is not None and got <= MAX_WORLD_SIZE and formula(int(got))["device"] > capacity:
         return f"at N = {got:.0f} the device needs {formula(int(got))['device']:,.0f} B, more than the capacity"
-    return "try N = 1, 2, 3 ... and return the first N whose device peak fits; None when no N up to 64 fits"
+    return (f"try N = 1, 2, 3 ... and return the first N whose device peak fits; None when no N up to "
+            f"{MAX_WORLD_SIZE} fits")
 
 
 def check_smallest_world_size(fn: Callable[[int, int, float, int, bool], int | None]) -> None:
@@ -223,7 +307,8 @@ def check_smallest_world_size(fn: Callable[[int, int, float, int, bool], int | N
         expected = expected_smallest_world_size(psi, unit, capacity, stage, offload)
         if got != expected:
             CheckFailure(check, where, f"got {raw!r}, expected {expected!r}",
-                         _smallest_hint(got, psi, unit, capacity, stage, offload)).fail()
+                         _device_peak_blame(fn, psi, unit, stage, offload)
+                         or _smallest_hint(got, psi, unit, capacity, stage, offload)).fail()
     psi, unit = _run_psi()
     confirmed, sizes = [], set()
     for offload in (False, True):
@@ -317,6 +402,12 @@ def _comm_hint(got: float, psi: int, n: int, units: int, alpha: float, beta: flo
     if n > 1 and any(_close(got, wrong) for wrong in n_for_n_minus_1):
         return ("a ring all-gather or reduce-scatter over N ranks takes N - 1 steps, each paying alpha, and each rank "
                 "sends (N - 1)/N of the payload: use N - 1 where you used N")
+    if n > 2 and _close(got, total(1, ring)):
+        return (f"the latency term is (N-1)x too small ({n - 1}x here): a ring all-gather or reduce-scatter over N "
+                "ranks takes N - 1 steps and each step pays alpha, so each collective costs (N - 1) alpha, not alpha")
+    if n > 1 and units > 1 and _close(got, total(n - 1, ring * units)):
+        return (f"the bandwidth term is units x too large ({units}x here): one unit's payload is 4Ψ/units bytes "
+                f"(4 x {psi:,} / {units}), not the whole model's 4Ψ; each of the units x 3 collectives moves one unit")
     if n > 1 and _close(got, total(n - 1, ring * units, count=1)):
         return "each unit is its own collective: units x 3 collectives, each paying (N - 1) alpha"
     if n > 1 and _close(got, total(n - 1, ring, collectives=2)):

@@ -67,23 +67,49 @@ def check_dim0_chunks(fn: Callable[..., Any], world_sizes: Sequence[int] = (1, 2
                 where = f"world size {n}, rank {rank}, unit '{unit}'"
                 given = flat.clone()  # (padded_numel,) the gathered flat parameter, the learner's own copy
                 got = call_learner(check, name, fn, layout, given, rank, n, where=where,
-                                   hint_for=lambda exc, n=n: _hint_for(exc, n))
-                _judge(check, where, layout, given, got, reference_chunks(named, rank, n), n)
+                                   hint_for=lambda exc, layout=layout, rank=rank, n=n: _hint_for(exc, layout, rank, n))
+                _judge(check, where, layout, given, got, reference_chunks(named, rank, n), rank, n)
     print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
     print(f"  {len(UNITS)} units, every rank: each parameter's rows as torch.chunk cuts them on dim 0 (empty chunks "
           "included), copied out of the gathered flat parameter")
 
 
-def _hint_for(exc: BaseException, n: int) -> str:
-    if isinstance(exc, IndexError):
-        return ("torch.chunk(p, N, dim=0) returns fewer than N chunks when the first dimension is short (2 rows over "
-                f"{n} ranks: c = ceil(2 / {n}) rows each, so the later ranks get none): give those ranks an empty "
-                "(0, *shape[1:]) tensor, e.g. p[:0], or compute the row range yourself")
+def _hint_for(exc: BaseException, layout: FlatParamLayout, rank: int, n: int) -> str:
+    def chunks(d0: int) -> int:  # how many chunks torch.chunk(p, n) gives: ceil(d0 / c) with c = ceil(d0 / n)
+        return -(-d0 // -(-d0 // n))
+
+    # the first parameter with no chunk for this rank: where torch.chunk(p, N)[rank] raised
+    short = next((i for i in layout.infos if chunks(i.shape[0]) <= rank), None)
+    if isinstance(exc, IndexError) and short is not None:
+        d0, k = short.shape[0], chunks(short.shape[0])
+        return (f"torch.chunk(p, N, dim=0) returns fewer than N chunks when the first dimension is short: "
+                f"'{short.name}' has d0 = {d0} rows; over {n} ranks c = ceil({d0} / {n}) = {-(-d0 // n)} rows each, "
+                f"so torch.chunk gives {k} chunk{'s' if k > 1 else ''} and rank {rank} none: give such a rank an "
+                "empty (0, *shape[1:]) tensor, e.g. p[:0], or compute the row range yourself")
     return "cut each parameter out of flat with layout.unflatten(flat), then take this rank's rows of it"
 
 
+def _taken_from(layout: FlatParamLayout, flat: torch.Tensor, info: Any, got: torch.Tensor, expected_rows: range
+                ) -> str | None:
+    """Which flat elements the learner's chunk holds, when they are one run of `flat` (every value of the units is
+    distinct), and whether that run is the right one shifted back by info.offset; None if they are not one run."""
+    where = {v: i for i, v in enumerate(flat[: layout.numel].tolist())}
+    positions = [where.get(v) for v in got.reshape(-1).tolist()]
+    if not positions or None in positions or positions != list(range(positions[0], positions[0] + len(positions))):
+        return None
+    first, last = positions[0], positions[-1]
+    row = info.numel // info.shape[0]
+    start, end = info.offset + expected_rows.start * row, info.offset + expected_rows.stop * row - 1
+    taken = f"these are flat elements {first}-{last}"
+    if info.offset and first == start - info.offset:
+        return (f"{taken}: you ignored info.offset: '{info.name}' starts at flat element {info.offset}, and this "
+                f"rank's rows of it are flat elements {start}-{end} (layout.unflatten(flat) cuts each parameter at its "
+                "offset)")
+    return f"{taken}, this rank's rows of '{info.name}' are flat elements {start}-{end}"
+
+
 def _judge(check: str, where: str, layout: FlatParamLayout, flat: torch.Tensor, got: Any,
-           expected: list[torch.Tensor], n: int) -> None:
+           expected: list[torch.Tensor], rank: int, n: int) -> None:
     if not isinstance(got, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in got):
         CheckFailure(check, where, f"returned {type(got).__name__}, not a list of tensors",
                      "return a list with one tensor per parameter, in layout.infos order").fail()
@@ -107,8 +133,10 @@ def _judge(check: str, where: str, layout: FlatParamLayout, flat: torch.Tensor, 
             CheckFailure(check, where, f"'{info.name}' {tuple(info.shape)}: chunk of shape {tuple(g.shape)}, "
                          f"expected {tuple(e.shape)}", hint).fail()
         if g.dtype != e.dtype or not torch.equal(g, e):
+            first_row = min(rank * rows, info.shape[0])
+            taken = _taken_from(layout, flat, info, g.detach(), range(first_row, first_row + e.shape[0]))
             CheckFailure(check, where, f"'{info.name}' {tuple(info.shape)}: the chunk holds other values",
-                         "take the parameter's own elements (layout.unflatten(flat), or flat[offset:offset + "
+                         taken or "take the parameter's own elements (layout.unflatten(flat), or flat[offset:offset + "
                          "numel].view(shape)), then rows [r * c, min((r + 1) * c, d0)) of it",
                          [f"expected {format_tensor(e, 8)}", f"got      {format_tensor(g, 8)}"]).fail()
         if g.numel() and g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():

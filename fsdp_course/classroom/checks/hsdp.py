@@ -11,9 +11,9 @@ across the replicate group.
 Checked on every rank at meshes 2x3, 2x2, 1x4 and 3x1 (a flat gradient of 11 elements: padded at S = 2, 3 and 4):
 the result against the mean of all ranks' gradients, cut at shard s; and from the three ledgers (the world's, the
 shard group's, the replicate group's) which collective ran in which group. Diagnosed by name: a collective in the
-wrong group, replicas that disagree (no all-reduce across the replicate group), a result R, S or N times too large
-(a sum instead of a mean), and an all-reduce of the whole gradient instead of the shard (right values, S times the
-inter-group bytes).
+wrong group (both named when both are, e.g. the groups swapped), replicas that disagree (no all-reduce across the
+replicate group), a result R, S or N times too large (a sum instead of a mean; the factor and its value named), and
+an all-reduce of the whole gradient instead of the shard (right values, S times the inter-group bytes).
 """
 
 from __future__ import annotations
@@ -94,6 +94,16 @@ def _judge(check: str, replicate: int, shard: int, grads: list[torch.Tensor], re
     for rank, res in enumerate(results):  # which collective ran in which group
         where = f"{mesh_where}, rank {rank}"
         world, rows, columns = res["world"], res["shard"], res["replicate"]
+        scatter_in = ("the whole world (ctx)" if any(op == "reduce_scatter" for op, _ in world) else
+                      "mesh.replicate" if any(op == "reduce_scatter" for op, _ in columns) else None)
+        reduce_in = ("the whole world (ctx)" if any(op == "all_reduce" for op, _ in world) else
+                     "mesh.shard" if any(op == "all_reduce" for op, _ in rows) else None)
+        if scatter_in and reduce_in:
+            swapped = " (the two groups swapped)" if (scatter_in, reduce_in) == ("mesh.replicate", "mesh.shard") else ""
+            CheckFailure(check, where, f"both collectives ran in the wrong group{swapped}: the reduce-scatter in "
+                         f"{scatter_in}, the all-reduce in {reduce_in}",
+                         "reduce-scatter in mesh.shard (the S ranks that split the gradient), then all-reduce the "
+                         "shard in mesh.replicate (the R ranks that hold the same shard)").fail()
         if any(op == "all_reduce" for op, _ in world):
             CheckFailure(check, where, "all-reduce over the wrong group: it ran over the whole world (ctx), whose "
                          "ranks hold different shards", "all-reduce the reduced shard across mesh.replicate: the "
@@ -149,11 +159,12 @@ def _judge(check: str, replicate: int, shard: int, grads: list[torch.Tensor], re
         if _rel(got, want) <= TOL:
             continue
         details = [f"expected {format_tensor(want, 6)}", f"got      {format_tensor(got, 6)}"]
-        factors = {n: "N times too large: both collectives summed (op='sum'); use op='mean' in both"}
-        factors.setdefault(replicate, "R times too large: the all-reduce summed the replicas (op='sum'); use "
-                                      "op='mean' across mesh.replicate")
-        factors.setdefault(shard, "S times too large: the reduce-scatter summed the shard group (op='sum'); use "
-                                  "op='mean'")
+        factors = {n: f"{n}x too large (N = R x S = {n}): both collectives summed (op='sum'); use op='mean' in "
+                      "both"}
+        factors.setdefault(replicate, f"{replicate}x too large (R = {replicate}): the all-reduce summed the replicas "
+                                      "(op='sum'); use op='mean' across mesh.replicate")
+        factors.setdefault(shard, f"{shard}x too large (S = {shard}): the reduce-scatter summed the shard group "
+                                  "(op='sum'); use op='mean'")
         for factor, problem in factors.items():
             if factor > 1 and _rel(got, factor * want) <= TOL:
                 CheckFailure(check, where, problem, "the gradient is the mean over all ranks' slices, as one "

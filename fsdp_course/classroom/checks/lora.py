@@ -8,7 +8,8 @@ first thing wrong with a hint:
   1. the structure: `base` kept (the same module, its values untouched) and frozen, `lora_A` and `lora_B` trainable
      `nn.Parameter`s of the right shapes, and nothing else trainable;
   2. step 0: the output equals `base(x)` bit for bit (B = 0), and A is not zero (else B's gradient is zero too and
-     nothing ever trains);
+     nothing ever trains); with the base's weight and bias swapped for other values (as FSDP swaps them for views of
+     its flat parameter) the output follows them: the forward goes through `self.base`, not a weight kept aside;
   3. the forward with given A and B against `fsdp_course.lora.LoRALinear`'s formula (the scaling alpha / rank);
   4. the gradients of one backward: none for the base, A's and B's as the formula's;
   5. fine-tuning under FSDP (wrap={nn.TransformerEncoderLayer}) of a tiny Transformer whose feed-forward Linear layers
@@ -82,7 +83,8 @@ def _structure(module: Any, base: nn.Linear, values: dict[str, torch.Tensor], wh
                   "(out_features, rank)", [f"base: nn.Linear(in_features={IN}, out_features={OUT}), rank={RANK}"])
     trainable_base = [n for n, p in base.named_parameters() if p.requires_grad]
     if trainable_base:
-        _fail(where, f"the base's {', '.join(trainable_base)} still require grad",
+        verb = "requires" if len(trainable_base) == 1 else "require"
+        _fail(where, f"the base's {' and '.join(trainable_base)} still {verb} grad",
               "freeze the pretrained Linear: self.base.requires_grad_(False)")
     trainable = sorted(n for n, p in module.named_parameters() if p.requires_grad)
     if trainable != ["lora_A", "lora_B"]:
@@ -110,8 +112,39 @@ def _at_init(module: nn.Module, base: nn.Linear, name: str) -> None:
               [f"expected {format_tensor(expected)}", f"got      {format_tensor(got)}"])
     if not a.any():
         _fail(where, "lora_A is all zeros",
-              "with A and B both zero, B's gradient (which is (dL/dy)ᵀ (A x)) is zero too, and A's is (B ...) zero: "
+              "with A and B both zero, B's gradient (which is (dL/dy) (A x)ᵀ) is zero too, and A's is (B ...) zero: "
               "nothing ever trains. Draw A at random, e.g. nn.init.kaiming_uniform_(A, a=math.sqrt(5)) or a normal")
+
+
+def _through_base(module: nn.Module, base: nn.Linear, name: str) -> None:
+    """Swap the base's weight and bias for other values, as FSDP swaps them for views of its flat parameter: the output
+    must follow (B is zero here, so it is base(x) with the new values). A forward that uses a tensor kept aside in
+    __init__ (self.w = base.weight, or a detached copy) keeps the old values. The originals are put back after."""
+    where = "forward after the base's weight and bias were swapped for other values (as FSDP swaps them)"
+    x = torch.randn(4, IN, generator=torch.Generator().manual_seed(2))
+    old = {"weight": base.weight, "bias": base.bias}
+    other = _linear(seed=5)
+    new = {k: nn.Parameter(other.get_parameter(k).detach(), requires_grad=False) for k in old}
+    try:
+        for k, p in new.items():
+            setattr(base, k, p)
+        with torch.no_grad():
+            got = call_learner("check_lora_linear", name, module, x, where=where)
+            expected = F.linear(x, new["weight"], new["bias"])
+            stale = {k: F.linear(x, **{**new, k: old[k]}) for k in old}  # k kept aside, the other one followed
+    finally:
+        for k, p in old.items():
+            setattr(base, k, p)
+    if torch.allclose(got, expected, rtol=TOL, atol=1e-6):
+        return
+    kept = [k for k in ("weight", "bias") if torch.allclose(got, stale[k], rtol=TOL, atol=1e-6)]
+    what = f"a {kept[0]}" if kept else "a weight and bias"
+    _fail(where, f"your forward does not go through self.base: it uses {what} kept aside, which FSDP would empty "
+          "(sharded away)",
+          "call self.base(x) in forward: FSDP replaces the base's parameters by views of its gathered flat parameter "
+          "and empties the originals, so a tensor kept in __init__ (self.w = base.weight, or a detached copy) is "
+          "either emptied or a private unsharded copy on every rank that a loaded checkpoint never reaches",
+          [f"expected {format_tensor(expected)}", f"got      {format_tensor(got)}"])
 
 
 def _reference(x: torch.Tensor, base: nn.Linear, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -224,10 +257,11 @@ def check_lora_linear(cls: Callable[..., nn.Module], world_sizes: Sequence[int] 
                           where=f"LoRALinear(nn.Linear({IN}, {OUT}), rank={RANK}, alpha={ALPHA:g})")
     _structure(module, base, values, f"LoRALinear(nn.Linear({IN}, {OUT}), rank={RANK}, alpha={ALPHA:g})")
     _at_init(module, base, name)
+    _through_base(module, base, name)
     _with_values(module, base, name)
     _gradients(module, base, name)
     _under_fsdp(cls, sizes)
     print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
-    print("  the base frozen, B zero at step 0 (the output is the base's, bit for bit), the scaled update and its "
-          "gradients as the formula's; under FSDP the fine-tuning equals one process's and the base stays "
-          "bit-identical on every rank")
+    print("  the base frozen, B zero at step 0 (the output is the base's, bit for bit, and follows the base's weights "
+          "when they are swapped), the scaled update and its gradients as the formula's; under FSDP the fine-tuning "
+          "equals one process's and the base stays bit-identical on every rank")
