@@ -9,10 +9,13 @@ or prints exactly what failed (world size, rank, step, tensor, difference) with 
     01 collectives   check_all_reduce, check_ring_all_reduce
     02 ddp           check_broadcast_parameters, check_ddp
     03 memory        check_zero_memory
+    04 zero          check_zero2_reduce (ZeRO-2's bucketed reduce-scatter)
     05 flat_param    check_flat_param
     06 fsdp          check_fsdp_unit
+    07 wrapping      check_unit_numels, check_predicted_peak (a wrap policy's units and its predicted peak)
     08 transformer   check_sharded_checkpoint (sharded checkpoint, loaded back under torchrun)
     10 distributed pitfalls   check_clip_grad_norm, check_train_step
+    11 real fsdp     check_fully_shard_units (fully_shard on the course's units, under torchrun)
     12 mixed precision        check_found_inf, check_update_scale (fp16 loss scaling over shards)
     13 overlap                check_forward_prefetch (forward prefetching with async all-gathers)
     14 hsdp                   check_hsdp_grad (HSDP's reduce-scatter in the row, all-reduce across the column)
@@ -21,7 +24,14 @@ or prints exactly what failed (world size, rank, step, tensor, difference) with 
     17 checkpoints            check_dim0_chunks (a unit's flat parameter cut into Shard(0) rows, DCP's layout)
 """
 
-from fsdp_course.classroom.checks._common import CheckFailure, call_learner, compare_tensor, format_tensor, run_checked
+from fsdp_course.classroom.checks._common import (
+    CheckFailed,
+    CheckFailure,
+    call_learner,
+    compare_tensor,
+    format_tensor,
+    run_checked,
+)
 from fsdp_course.classroom.checks.budget import (
     check_bytes_sent,
     check_comm_seconds,
@@ -40,8 +50,12 @@ from fsdp_course.classroom.checks.memory import check_zero_memory
 from fsdp_course.classroom.checks.mixed_precision import check_found_inf, check_update_scale
 from fsdp_course.classroom.checks.overlap import check_forward_prefetch
 from fsdp_course.classroom.checks.pitfalls import check_clip_grad_norm, check_train_step
+from fsdp_course.classroom.checks.real_fsdp import check_fully_shard_units
+from fsdp_course.classroom.checks.wrapping import check_predicted_peak, check_unit_numels
+from fsdp_course.classroom.checks.zero import check_zero2_reduce
 
 __all__ = [
+    "CheckFailed",
     "CheckFailure",
     "call_learner",
     "check_all_reduce",
@@ -56,13 +70,17 @@ __all__ = [
     "check_forward_prefetch",
     "check_found_inf",
     "check_fsdp_unit",
+    "check_fully_shard_units",
     "check_hsdp_grad",
     "check_lora_linear",
+    "check_predicted_peak",
     "check_ring_all_reduce",
     "check_sharded_checkpoint",
     "check_smallest_world_size",
     "check_train_step",
+    "check_unit_numels",
     "check_update_scale",
+    "check_zero2_reduce",
     "check_zero_memory",
     "compare_tensor",
     "format_tensor",

@@ -1,0 +1,290 @@
+"""Checker of exercise 11: the course's units with PyTorch's `fully_shard`, trained under torchrun.
+
+The learner writes `shard_like_course(model, mesh)`: apply `torch.distributed.fsdp.fully_shard` to the same units as
+`FSDP(model, ctx, wrap={nn.TransformerEncoderLayer})`, bottom-up as fully_shard's docs ask: every
+`nn.TransformerEncoderLayer` first, then the model itself (the root: embeddings, final norm, head), each with
+`mesh=mesh` (what `fsdp_course/engines/torch_fsdp.py`'s `shard_with_fully_shard` does).
+
+The check has two parts:
+
+1. In this process: the learner's function on the small Transformer (mesh None), with `fully_shard` replaced in its
+   namespace by a recorder that shards nothing: which modules it was applied to, in which order. Diagnosed by name:
+   the root sharded before the layers (fully_shard then fails inside torch), the root not sharded, a layer
+   missing, other modules made units.
+2. One torchrun launch of 2 processes: each runs the learner's function (its source, shipped like the checkpoint
+   checker's), trains `STEPS` AdamW steps on its half of each global batch with `count_collectives` on, and reports
+   its losses and collectives. The losses (mean over the ranks) are compared with the course's
+   `FSDP(..., reshard_root_after_forward=False)` in threads, at `TOL`; the all-gathers per step must be the
+   course's units': the root once (fully_shard keeps it gathered from forward to backward), every layer twice.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_course.classroom.checks._common import CheckFailure, exception_hint, require_callable
+from fsdp_course.runtime.context import RankContext
+from fsdp_course.runtime.ports import free_port
+
+__all__ = ["STEPS", "TOL", "check_fully_shard_units", "course_losses"]
+
+STEPS = 3
+GLOBAL_BATCH = 16
+TOL = 1e-5
+WORLD_SIZE = 2
+TORCHRUN_TIMEOUT = 240.0
+LAYERS = ("encoder.layers.0", "encoder.layers.1")
+EXPECTED_UNITS = [*LAYERS, "root"]  # in the order fully_shard must be applied
+
+
+def _model() -> nn.Module:
+    from fsdp_course.fsdp.meta_init import init_weights
+    from fsdp_course.models import TransformerClassifier, TransformerConfig
+
+    return init_weights(TransformerClassifier(TransformerConfig.small()), 0)  # the same values in every process
+
+
+def _batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from fsdp_course.data import digits_tokens
+    from fsdp_course.sampler import global_batch, rank_slice
+
+    tokens, labels = digits_tokens()
+    mine = rank_slice(global_batch(len(tokens), GLOBAL_BATCH, step), rank, world_size)
+    return tokens[mine], labels[mine]
+
+
+def course_losses(world_size: int = WORLD_SIZE) -> list[float]:
+    """The course's FSDP, one unit per layer, root kept gathered as fully_shard keeps it: loss per step, mean over
+    the ranks."""
+    from fsdp_course.fsdp import FSDP
+    from fsdp_course.runtime.simulate import run_ranks
+
+    model = _model()
+
+    def body(ctx: RankContext) -> list[float]:
+        import copy
+
+        fsdp = FSDP(copy.deepcopy(model), ctx, wrap={nn.TransformerEncoderLayer}, reshard_root_after_forward=False)
+        opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
+        losses = []
+        for step in range(STEPS):
+            x, y = _batch(step, ctx.rank, ctx.world_size)
+            loss = F.cross_entropy(fsdp(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return [ctx.all_reduce(loss.clone(), op="mean").item() for loss in losses]
+
+    return run_ranks(body, world_size)[0]
+
+
+def _unit_name(model: nn.Module, module: nn.Module) -> str:
+    if module is model:
+        return "root"
+    return next((name for name, m in model.named_modules() if m is module), type(module).__name__)
+
+
+def _structure(check: str, name: str, fn: Callable[..., Any]) -> dict[str, Any]:
+    """Run `fn` on the model with `fully_shard` replaced by a recorder that shards nothing: in the learner's namespace
+    and as `torch.distributed.fsdp.fully_shard`. A function that reaches fully_shard another way records nothing
+    (then the torchrun run judges it)."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    from fsdp_course.classroom.checks._common import learner_frames, not_implemented
+
+    model = _model()
+    calls: list[str] = []
+    namespace = getattr(fn, "__globals__", {})
+    real = torch_fsdp.fully_shard
+
+    def recording_fully_shard(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        calls.append(_unit_name(model, module))
+        return module
+
+    patched = namespace.get("fully_shard") is real
+    if patched:
+        namespace["fully_shard"] = recording_fully_shard
+    torch_fsdp.fully_shard = recording_fully_shard  # type: ignore[assignment]
+    try:
+        fn(model, None)
+    except NotImplementedError:
+        raise not_implemented(name) from None
+    except Exception as exc:  # noqa: BLE001  (reported, or left to the torchrun run)
+        if calls:
+            CheckFailure(check, "fully_shard's calls, recorded in this process",
+                         f"{name} raised {type(exc).__name__}: {exc}", _hint(exc), learner_frames(exc)).fail()
+    finally:
+        torch_fsdp.fully_shard = real
+        if patched:
+            namespace["fully_shard"] = real
+    return {"calls": calls, "recorded": bool(calls), "units": list(dict.fromkeys(calls))}
+
+
+def check_fully_shard_units(fn: Callable[[nn.Module, Any], Any]) -> None:
+    """Check `fn(model, mesh)`: fully_shard on every encoder layer, then on the model; trained under torchrun, the
+    losses equal the course's FSDP with the same units."""
+    check = "check_fully_shard_units"
+    name = require_callable(check, fn, "shard_like_course")
+    where = "fully_shard's calls, recorded in this process"
+    report = _structure(check, name, fn)
+    if report["recorded"]:  # else (fully_shard under another name) torchrun's run tells
+        _judge_structure(check, where, report)
+    runs = _torchrun(check, fn, name)
+    _judge_run(check, runs)
+    ours = course_losses()
+    theirs = [sum(r["losses"][s] for r in runs) / len(runs) for s in range(STEPS)]
+    gaps = [abs(a - b) / abs(b) for a, b in zip(theirs, ours, strict=True)]
+    if max(gaps) > TOL:
+        step = max(range(STEPS), key=gaps.__getitem__)
+        CheckFailure(check, f"world size {WORLD_SIZE}, torchrun, step {step}",
+                     f"fully_shard's loss {theirs[step]:.6f} differs from the course's FSDP's {ours[step]:.6f} by "
+                     f"{gaps[step]:.1e} (relative), above {TOL:g}",
+                     "shard exactly the course's units, each with mesh=mesh and no other options",
+                     [f"losses, fully_shard: {[round(v, 6) for v in theirs]}",
+                      f"losses, course FSDP: {[round(v, 6) for v in ours]}"]).fail()
+    print(f"All tests in {check} passed (world sizes {WORLD_SIZE})")
+    print(f"  fully_shard on {', '.join(EXPECTED_UNITS)}, in that order: {runs[0]['units']} FSDP states; "
+          f"{runs[0]['all_gathers'] // STEPS} all-gathers and {runs[0]['reduce_scatters'] // STEPS} reduce-scatters "
+          "per step under torchrun")
+    print(f"  step  loss, fully_shard  loss, course FSDP  relative difference (below {TOL:g})")
+    for step, (a, b, gap) in enumerate(zip(theirs, ours, gaps, strict=True)):
+        print(f"  {step:>4}  {a:>16.4f}  {b:>16.4f}  {'below 1e-5' if gap < TOL else f'{gap:.1e}'}")
+
+
+def _hint(exc: BaseException) -> str:
+    if isinstance(exc, NameError) or "is not defined" in str(exc):
+        return ("the function runs in fresh processes, where only torch, nn and fully_shard are imported: import "
+                "anything else it uses inside the function")
+    if "Invariant encountered" in str(exc):
+        return ("fully_shard the layers first and the model last: applied to the model first, the root unit "
+                "takes every parameter, and the layers' fully_shard then finds no parameter of their own")
+    return exception_hint(exc)
+
+
+def _judge_structure(check: str, where: str, report: dict[str, Any]) -> None:
+    calls, units = report["calls"], report["units"]
+    if report["recorded"] and "root" in calls and calls.index("root") < len(calls) - 1:
+        CheckFailure(check, where, f"fully_shard was applied in the order {calls}: the root before "
+                     f"{', '.join(calls[calls.index('root') + 1:])}",
+                     "bottom-up, as fully_shard's docs ask: every layer first, then fully_shard(model) last; the root "
+                     "sharded first would take every parameter into one unit").fail()
+    if "root" not in units:
+        CheckFailure(check, where, f"the model itself is not sharded: fully_shard was applied to {units} only",
+                     "finish with fully_shard(model, mesh=mesh): the root unit holds what no layer owns (embeddings, "
+                     "final norm, head); without it those parameters are neither sharded nor averaged over the ranks, "
+                     "and the replicas drift apart").fail()
+    missing = [u for u in LAYERS if u not in units]
+    if missing:
+        CheckFailure(check, where, f"{len(units)} units ({units}), expected {len(EXPECTED_UNITS)}: "
+                     f"{', '.join(missing)} not a unit of its own",
+                     "call fully_shard(layer, mesh=mesh) for every layer in model.encoder.layers before the "
+                     "model").fail()
+    extra = [u for u in units if u not in EXPECTED_UNITS]
+    if extra:
+        CheckFailure(check, where, f"{len(units)} units, expected {len(EXPECTED_UNITS)}: {extra} made units "
+                     "as well", "the course's units are the encoder layers and the root, nothing else").fail()
+
+
+_SCRIPT = '''\
+import json, os, sys, traceback
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from fsdp_course.classroom.checks.real_fsdp import STEPS, _batch, _model
+from fsdp_course.engines.torch_fsdp import count_collectives
+from fsdp_course.runtime.context import RankContext
+
+torch.set_num_threads(1)
+
+{source}
+
+ctx = RankContext.from_env()
+report = {{}}
+try:
+    model = _model()
+    {name}(model, DeviceMesh.from_group(ctx.group, "cpu"))
+    report["units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    ctx.ledger.clear()
+    with count_collectives(ctx):
+        for step in range(STEPS):
+            x, y = _batch(step, ctx.rank, ctx.world_size)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    ops = [r.op for r in ctx.ledger.records]
+    report.update(losses=losses, all_gathers=ops.count("all_gather"), reduce_scatters=ops.count("reduce_scatter"))
+except Exception as exc:
+    report["error"] = f"{{type(exc).__name__}}: {{exc}}"
+with open(os.path.join({reports!r}, f"rank{{ctx.rank}}.json"), "w") as f:
+    json.dump(report, f)
+'''
+
+
+def _torchrun(check: str, fn: Callable[..., Any], name: str) -> list[dict[str, Any]]:
+    where = f"world size {WORLD_SIZE}, torchrun"
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        CheckFailure(check, where, f"the source of {name} cannot be found",
+                     "define it in a notebook cell or a .py file: torchrun's processes run its source").fail()
+    with tempfile.TemporaryDirectory(prefix="fsdp_course_fully_shard_") as tmp:
+        script = os.path.join(tmp, "fully_shard_under_torchrun.py")
+        Path(script).write_text(_SCRIPT.format(source=source, name=fn.__name__, reports=tmp))
+        torchrun = Path(sys.executable).with_name("torchrun")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp}
+        try:
+            proc = subprocess.run([str(torchrun), "--nproc-per-node", str(WORLD_SIZE), "--master-addr", "127.0.0.1",
+                                   "--master-port", str(free_port()), script], capture_output=True, text=True,
+                                  timeout=TORCHRUN_TIMEOUT, env=env, cwd=tmp)
+        except subprocess.TimeoutExpired:
+            CheckFailure(check, where, f"torchrun did not finish within {TORCHRUN_TIMEOUT:g} s",
+                         f"{name} must only call fully_shard").fail()
+        runs = []
+        for rank in range(WORLD_SIZE):
+            path = Path(tmp, f"rank{rank}.json")
+            if not path.exists():
+                CheckFailure(check, where, f"rank {rank}'s process reported nothing (torchrun exit code "
+                             f"{proc.returncode})", f"{name} runs in a fresh process: it may use only its arguments, "
+                             "torch and fully_shard", proc.stderr.strip().splitlines()[-6:]).fail()
+            runs.append(json.loads(path.read_text()))
+    return runs
+
+
+def _judge_run(check: str, runs: list[dict[str, Any]]) -> None:
+    where = f"world size {WORLD_SIZE}, torchrun"
+    for rank, run in enumerate(runs):
+        if "error" in run:
+            CheckFailure(check, f"{where}, rank {rank}", f"the process raised {run['error']}",
+                         f"{_hint(RuntimeError(run['error']))} (the function runs in a fresh process: it may use only "
+                         "its arguments, torch and fully_shard)").fail()
+    if runs[0]["units"] != len(EXPECTED_UNITS):
+        CheckFailure(check, where, f"{runs[0]['units']} FSDP states under torchrun, expected {len(EXPECTED_UNITS)}: "
+                     "one per encoder layer and the root",
+                     "fully_shard(layer, mesh=mesh) for every layer, then fully_shard(model, mesh=mesh)").fail()
+    per_step = runs[0]["all_gathers"] / STEPS
+    expected = 1 + 2 * len(LAYERS)  # the root once, every layer in forward and again in backward
+    if per_step != expected:
+        CheckFailure(check, where, f"{per_step:g} all-gathers per step, expected {expected}: the root once and every "
+                     "layer twice", "shard every layer, then the model, with the default reshard_after_forward "
+                     "(the root stays gathered, the layers are gathered again in the backward)").fail()

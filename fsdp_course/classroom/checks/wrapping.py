@@ -1,0 +1,273 @@
+"""Checker of exercise 07: a wrap policy, the units it makes, and the peak memory it predicts.
+
+The learner writes three functions:
+
+- `unit_numels(model, wrap, world_size)`: the padded number of elements of every FSDP unit that
+  `FSDP(model, ctx, wrap=wrap)` makes, by unit name (the module path of each wrapped module, "root" for the rest),
+  as `FSDP.unit_numels()` reports them: a parameter belongs to its nearest wrapped ancestor, else to the root, and
+  every unit's flat parameter is padded to a multiple of the world size (lesson 05);
+- `predicted_peak(numels, world_size)`: lesson 07's prediction for fp32 AdamW, 16Ψ/N + 8 · largest unit, with Ψ the
+  sum of the padded units (`memory.zero_formula(Ψ, N, "fsdp", gathered_numel=largest)`: ZeRO-3's accounting,
+  arXiv:1910.02054, plus the gathered unit of the FSDP paper, arXiv:2304.11277);
+- `wrap_policy()`: returns a set of module classes (FSDP's `wrap`) for the checker's model (`exercise_model()`, a
+  small Transformer whose embedding, with the head, outweighs a layer), such that no unit is larger than one
+  encoder layer.
+
+`check_unit_numels` compares the learner's units with the course's FSDP built on simulated ranks, for five policies
+(one with wrapped modules inside wrapped modules) at world sizes 1 to 3. `check_predicted_peak` compares the
+prediction with the formula on unit sizes where the root is, and is not, the largest unit; then it trains
+`FSDP(model, ctx, wrap=wrap_policy())` for two AdamW steps on 2 and 3 simulated ranks, measures the peak per rank
+with `fsdp_course.memory.attach`, and asks that the measured peak be at most the prediction and at least `PEAK_BOUND`
+of it. With the embeddings wrapped a layer is the largest unit, and the peak measures 0.93 to 0.94 of the prediction;
+with every layer wrapped but not the embeddings, the root is the largest unit and stays gathered beside each layer,
+and at N = 3 the peak passes the prediction (tests/test_checks_wrapping.py measures both).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_course.classroom.checks._common import (
+    CheckFailure,
+    call_learner,
+    exception_hint,
+    require_callable,
+    require_world_sizes,
+    run_checked,
+)
+from fsdp_course.fsdp import FSDP
+from fsdp_course.fsdp.flat_param import padded_numel
+from fsdp_course.memory import attach, zero_formula
+from fsdp_course.models import TransformerClassifier, TransformerConfig, count_parameters
+from fsdp_course.runtime.context import RankContext
+
+__all__ = ["PEAK_BOUND", "POLICIES", "check_predicted_peak", "check_unit_numels", "exercise_model",
+           "fsdp_unit_numels", "measure_peak"]
+
+VOCAB, SEQ, BATCH, SEED = 384, 16, 4, 7
+PEAK_BOUND = 0.9  # the measured peak is at most the prediction and at least this fraction of it
+POLICIES: dict[str, set[type[nn.Module]] | None] = {
+    "wrap=None": None,
+    "wrap={nn.TransformerEncoderLayer}": {nn.TransformerEncoderLayer},
+    "wrap={nn.TransformerEncoderLayer, nn.Embedding}": {nn.TransformerEncoderLayer, nn.Embedding},
+    "wrap={nn.Embedding}": {nn.Embedding},
+    "wrap={nn.TransformerEncoderLayer, nn.LayerNorm}": {nn.TransformerEncoderLayer, nn.LayerNorm},  # units in units
+}
+# unit sizes the prediction is checked on (padded numels, as FSDP reports them): the root the largest, and not
+PEAK_CASES: tuple[tuple[dict[str, int], int], ...] = (
+    ({"root": 13194, "encoder.layers.0": 12704, "encoder.layers.1": 12704}, 2),
+    ({"root": 396, "embedding": 12288, "pos_embedding": 513, "encoder.layers.0": 12705, "encoder.layers.1": 12705}, 3),
+    ({"root": 38602}, 2),
+)
+
+
+def exercise_model() -> TransformerClassifier:
+    """The checker's model: lesson 07's small Transformer, 2 layers, a vocabulary of 384 tokens (seeded)."""
+    torch.manual_seed(SEED)
+    return TransformerClassifier(TransformerConfig.small(vocab_size=VOCAB, num_layers=2, max_len=SEQ))
+
+
+def fsdp_unit_numels(model: nn.Module, wrap: set[type[nn.Module]] | None, world_size: int) -> dict[str, int]:
+    """What `FSDP(model, ctx, wrap=wrap).unit_numels()` reports on `world_size` simulated ranks (rank 0's)."""
+    from fsdp_course.runtime.simulate import run_ranks
+
+    return run_ranks(lambda ctx: FSDP(copy.deepcopy(model), ctx, wrap=wrap).unit_numels(), world_size)[0]
+
+
+def _describe(numels: dict[str, int]) -> str:
+    return "{" + ", ".join(f"{k!r}: {v}" for k, v in numels.items()) + "}"
+
+
+def check_unit_numels(fn: Callable[[nn.Module, Any, int], dict[str, int]],
+                      world_sizes: Sequence[int] = (1, 2, 3)) -> None:
+    """Check `fn(model, wrap, world_size) -> {unit name: padded numel}` against the course's FSDP."""
+    check = "check_unit_numels"
+    name = require_callable(check, fn, "unit_numels")
+    sizes = require_world_sizes(world_sizes)
+    model = exercise_model()
+    for n in sizes:
+        for label, wrap in POLICIES.items():
+            where = f"world size {n}, {label}"
+            expected = fsdp_unit_numels(model, wrap, n)
+            got = call_learner(check, name, fn, copy.deepcopy(model), copy.copy(wrap), n, where=where)
+            _judge_units(check, where, model, n, expected, got)
+    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
+    print(f"  {len(POLICIES)} policies: every unit's padded size equals what the course's FSDP builds")
+
+
+def _judge_units(check: str, where: str, model: nn.Module, n: int, expected: dict[str, int], got: Any) -> None:
+    def fail(problem: str, hint: str) -> None:
+        shown = _describe(got) if isinstance(got, dict) else repr(got)
+        CheckFailure(check, where, problem, hint, [f"expected {_describe(expected)}", f"got      {shown}"]).fail()
+
+    if not isinstance(got, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                                            for k, v in got.items()):
+        fail(f"returned {type(got).__name__}, not a dict of unit name -> int",
+             "return a dict such as {'root': 13130, 'encoder.layers.0': 12704, ...}: unit name to padded numel")
+    if got == expected:
+        return
+    if "root" not in got:
+        fail("there is no 'root' unit",
+             "the parameters that no wrapped module owns (here at least the head, fc) form the root unit, "
+             "named 'root': FSDP always wraps the model itself last")
+    if set(got) != set(expected):
+        missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+        fail(f"the units differ: missing {missing}, unexpected {extra}",
+             "a unit is named by its module's path in model.named_modules() (e.g. 'encoder.layers.0'); a wrapped "
+             "module inside another wrapped module is a unit of its own, and the model itself is 'root'")
+    for k in expected:
+        if got[k] == expected[k]:
+            continue
+        if n > 1 and got[k] < expected[k] and padded_numel(got[k], n) == expected[k]:
+            fail(f"unit {k!r} has {got[k]} elements, FSDP's flat parameter has {expected[k]}: no padding",
+                 f"pad every unit to a multiple of the world size: {got[k]} -> {expected[k]} (lesson 05)")
+        if k == "root" and got[k] > expected[k]:
+            fail(f"the root unit has {got[k]} elements, expected {expected[k]}: it counts parameters that "
+                 "belong to wrapped units",
+                 "a parameter belongs to its nearest wrapped ancestor only: the root gets what no wrapped module owns")
+        fail(f"unit {k!r} has {got[k]} elements, expected {expected[k]}",
+             "count a unit's parameters that no wrapped module inside it owns, then pad to a multiple of the "
+             "world size")
+
+
+def measure_peak(wrap: set[type[nn.Module]] | None, world_size: int, model: nn.Module | None = None,
+                 steps: int = 2) -> list[dict[str, Any]]:
+    """Train `FSDP(model, ctx, wrap=wrap)` with AdamW for `steps` steps on `world_size` simulated ranks; per rank, the
+    last step's peak (bytes, from live storages), where it happened, and the units' padded sizes."""
+    from fsdp_course.runtime.simulate import run_ranks
+
+    base = exercise_model() if model is None else model
+    return run_ranks(lambda ctx: _train(base, ctx, wrap, steps), world_size)
+
+
+def _train(base: nn.Module, ctx: RankContext, wrap: Any, steps: int) -> dict[str, Any]:
+    fsdp = FSDP(copy.deepcopy(base), ctx, wrap=wrap)
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
+    recorder = attach(fsdp, opt)
+    g = torch.Generator().manual_seed(SEED + ctx.rank)
+    for _ in range(steps):  # the first step creates Adam's state; the last one is measured
+        recorder.reset()
+        x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        y = torch.randint(0, 10, (BATCH,), generator=g)
+        recorder.record("step starts")
+        F.cross_entropy(fsdp(x), y).backward()
+        opt.step()
+        recorder.record("optimizer step")
+        opt.zero_grad()
+    return {"peak": recorder.peak_total, "peak_label": recorder.peak_label, "numels": fsdp.unit_numels()}
+
+
+def check_predicted_peak(fn: Callable[[dict[str, int], int], float], wrap_policy: Callable[[], Any],
+                         world_sizes: Sequence[int] = (2, 3)) -> None:
+    """Check `fn(numels, world_size) -> bytes` against 16Ψ/N + 8 · largest, then the classes `wrap_policy()` returns
+    on the exercise's model: no unit larger than a layer, and the peak measured on simulated ranks within the
+    prediction."""
+    check = "check_predicted_peak"
+    name = require_callable(check, fn, "predicted_peak")
+    policy_name = require_callable(check, wrap_policy, "wrap_policy")
+    sizes = require_world_sizes(world_sizes)
+    for numels, n in PEAK_CASES:
+        _judge_prediction(check, name, fn, numels, n, f"world size {n}, units {_describe(numels)}")
+    wrap = call_learner(check, policy_name, wrap_policy, where="calling wrap_policy()")
+    model = exercise_model()
+    layer = count_parameters(model.encoder.layers[0])
+    lines: list[str] = []
+    for n in sizes:
+        where = f"world size {n}, wrap_policy() = {_policy_text(wrap)}"
+        runs = run_checked(check, "FSDP(model, ctx, wrap=wrap_policy())", lambda ctx: _train(model, ctx, wrap, 2), n,
+                           lambda r, w=where: f"{w}, rank {r}", _wrap_hint)
+        numels = runs[0]["numels"]
+        largest_name = max(numels, key=numels.get)
+        if numels[largest_name] > padded_numel(layer, n):
+            root_note = ", all that no wrapped module owns," if largest_name == "root" else ""
+            CheckFailure(check, where, f"the largest unit is {largest_name!r} with {numels[largest_name]} elements"
+                         f"{root_note} larger than one encoder layer ({padded_numel(layer, n)})",
+                         "wrap the module classes whose parameters would otherwise stay together: every encoder "
+                         "layer, and the embeddings (nn.Embedding), so that the root keeps only the final norm and the "
+                         "head",
+                         [f"units {_describe(numels)}"]).fail()
+        predicted = call_learner(check, name, fn, dict(numels), n, where=where)
+        peak = runs[0]["peak"]
+        if not all(r["peak"] == peak for r in runs):
+            raise AssertionError("equal shards: every rank holds the same bytes")  # the course's invariant
+        ratio = peak / float(predicted)
+        if not PEAK_BOUND * predicted <= peak <= predicted:
+            CheckFailure(check, where, f"measured peak {peak} bytes, predicted {float(predicted):.0f}: ratio "
+                         f"{ratio:.3f}, outside [{PEAK_BOUND}, 1]",
+                         "predicted_peak must be 16Ψ/N + 8 · largest for these units").fail()
+        lines.append(f"  world size {n}: {len(numels)} units, largest {largest_name!r} ({numels[largest_name]}); "
+                     f"measured peak {peak} bytes at '{runs[0]['peak_label']}' = {ratio:.3f} x predicted "
+                     f"{float(predicted):.0f}")
+    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
+    print("\n".join(lines))
+    print(f"  the prediction is 16Ψ/N + 8 · largest on {len(PEAK_CASES)} sets of units; with wrap_policy() no unit is "
+          f"larger than a layer and the measured peak lies within [{PEAK_BOUND}, 1] of the prediction")
+
+
+def _policy_text(wrap: Any) -> str:
+    if isinstance(wrap, set | frozenset | list | tuple):
+        return "{" + ", ".join(sorted(getattr(c, "__name__", repr(c)) for c in wrap)) + "}"
+    return repr(wrap)
+
+
+def _wrap_hint(exc: BaseException) -> str:
+    if "wrap must be a set of nn.Module classes" in str(exc):
+        return ("wrap_policy() returns a set of module classes, e.g. {nn.TransformerEncoderLayer}: the classes, not "
+                "instances or names")
+    if "is sharded by FSDP" in str(exc):
+        return ("a class used through functional code inside another module (nn.Linear inside attention) cannot be "
+                "a unit: wrap whole blocks (nn.TransformerEncoderLayer) and nn.Embedding")
+    return exception_hint(exc)
+
+
+def _judge_prediction(check: str, name: str, fn: Callable[..., Any], numels: dict[str, int], n: int,
+                      where: str) -> None:
+    got = call_learner(check, name, fn, dict(numels), n, where=where)
+    if isinstance(got, bool) or not isinstance(got, int | float | torch.Tensor):
+        CheckFailure(check, where, f"returned {type(got).__name__}, not a number of bytes",
+                     "return 16 * psi / world_size + 8 * largest, a float").fail()
+    got = float(got)
+    psi, largest = sum(numels.values()), max(numels.values())
+    expected = zero_formula(psi, n, "fsdp", gathered_numel=largest)["total"]
+    if abs(got - expected) <= 1e-6 * expected:
+        return
+    without_root = {k: v for k, v in numels.items() if k != "root"}
+    largest_wrapped = max(without_root.values()) if without_root else 0
+    first = next(iter(numels.values()))
+    known = {
+        "the largest unit ignores the root": 16 * psi / n + 8 * largest_wrapped,
+        "Ψ leaves out the root": 16 * sum(without_root.values()) / n + 8 * largest,
+        "Ψ and the largest unit both leave out the root": 16 * sum(without_root.values()) / n + 8 * largest_wrapped,
+        "16Ψ is not divided by N": 16 * psi + 8 * largest,
+        "4 · largest: the gathered parameters without their gradient": 16 * psi / n + 4 * largest,
+        "the largest unit is not divided out: 16Ψ/N alone": 16 * psi / n,
+        "the first unit is not the largest": 16 * psi / n + 8 * first,
+        "the units are in elements, not bytes": (16 * psi / n + 8 * largest) / 4,
+    }
+    hints = {
+        "the largest unit ignores the root": f"the root is a unit too ({numels.get('root')} elements here), gathered "
+                                             "beside every other unit: take the largest over all units, root included",
+        "Ψ leaves out the root": "Ψ is the sum of every unit's padded size, the root's included",
+        "Ψ and the largest unit both leave out the root": "the root is a unit too: count it in Ψ and in the largest",
+        "16Ψ is not divided by N": "each rank keeps 1/N of the parameters, gradients and Adam's state: 16Ψ/N",
+        "4 · largest: the gathered parameters without their gradient":
+            "while the largest unit computes its gradient it holds its gathered parameters and its full gradient: "
+            "8 bytes per element",
+        "the largest unit is not divided out: 16Ψ/N alone": "add 8 · largest: the unit gathered while it computes",
+        "the first unit is not the largest": "take max(numels.values()), not the first unit",
+        "the units are in elements, not bytes": "fp32: 4 bytes per element, so 16 bytes per element of Ψ/N",
+    }
+    for why, value in known.items():
+        if value != expected and abs(got - value) <= 1e-6 * max(value, 1.0):
+            CheckFailure(check, where, f"predicted {got:.0f} bytes, expected {expected:.0f}: {why}", hints[why],
+                         [f"Ψ = {psi}, largest unit {max(numels, key=numels.get)!r} = {largest}"]).fail()
+    CheckFailure(check, where, f"predicted {got:.0f} bytes, expected {expected:.0f} (16Ψ/N + 8 · largest)",
+                 "Ψ = the sum of the padded unit sizes; largest = the largest unit, root included; fp32 AdamW: "
+                 "16 bytes per element of Ψ/N, 8 per element of the largest unit",
+                 [f"Ψ = {psi}, largest unit {max(numels, key=numels.get)!r} = {largest}"]).fail()

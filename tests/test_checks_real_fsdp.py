@@ -1,0 +1,128 @@
+"""The checker of exercise 11 (the course's units with fully_shard, trained under torchrun) passes the reference
+solution and fails planted mistakes with the diagnosis that names them: each planted function is the reference with
+one thing wrong, as a learner would get it. The order and the units are read in this process; a mistake only a real
+run shows (fully_shard called under another name, another option) costs one torchrun launch of 2 processes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from reference_solutions import fails, load, passes
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from fsdp_course.classroom.checks import check_fully_shard_units
+
+REAL = load("11_real_fsdp")
+
+
+def root_first(model, mesh):  # top-down: the root takes every parameter
+    fully_shard(model, mesh=mesh)
+    for layer in model.encoder.layers:
+        fully_shard(layer, mesh=mesh)
+    return model
+
+
+def no_root(model, mesh):  # the embeddings, final norm and head are no unit
+    for layer in model.encoder.layers:
+        fully_shard(layer, mesh=mesh)
+    return model
+
+
+def first_layer_only(model, mesh):  # one layer forgotten
+    fully_shard(model.encoder.layers[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def embeddings_too(model, mesh):  # more units than the course's
+    for module in (*model.encoder.layers, model.embedding):
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def no_root_by_private_path(model, mesh):  # fully_shard reached another way: only the real run tells
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    for layer in model.encoder.layers:
+        _fully_shard.fully_shard(layer, mesh=mesh)
+    return model
+
+
+def no_root_by_attribute(model, mesh):  # torch.distributed.fsdp.fully_shard is recorded too
+    import torch.distributed.fsdp as fsdp
+
+    for layer in model.encoder.layers:
+        fsdp.fully_shard(layer, mesh=mesh)
+    return model
+
+
+def root_resharded(model, mesh):  # the course's default root: gathered again in the backward
+    for layer in model.encoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    return model
+
+
+def bf16(model, mesh):  # right units, but computing in bfloat16: the losses move
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.encoder.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def bf16_unimported(model, mesh):  # MixedPrecisionPolicy from the notebook's imports: not in torchrun's processes
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.encoder.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def stub(model, mesh):
+    raise NotImplementedError()
+
+
+def test_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    out = passes(check_fully_shard_units, REAL["shard_like_course"], capsys=capsys)
+    assert "3 FSDP states; 5 all-gathers and 3 reduce-scatters per step under torchrun" in out
+
+
+@pytest.mark.parametrize(("fn", "hint"), [
+    (root_first, "fully_shard was applied in the order ['root', 'encoder.layers.0', 'encoder.layers.1']: the root "
+                 "before encoder.layers.0, encoder.layers.1"),
+    (no_root, "the model itself is not sharded: fully_shard was applied to ['encoder.layers.0', 'encoder.layers.1'] "
+              "only"),
+    (first_layer_only, "2 units (['encoder.layers.0', 'root']), expected 3: encoder.layers.1 not a unit of its own"),
+    (embeddings_too, "4 units, expected 3: ['embedding'] made units as well"),
+    (no_root_by_attribute, "the model itself is not sharded"),
+])
+def test_planted_in_this_process(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    out = fails(check_fully_shard_units, fn, hint=hint, capsys=capsys)
+    assert "FAILED at fully_shard's calls, recorded in this process" in out
+
+
+@pytest.mark.parametrize(("fn", "hint"), [
+    (no_root_by_private_path, "2 FSDP states under torchrun, expected 3"),
+    (bf16_unimported, "the function runs in fresh processes, where only torch, nn and fully_shard are imported"),
+    (root_resharded, "6 all-gathers per step, expected 5: the root once and every layer twice"),
+    (bf16, "differs from the course's FSDP's"),
+])
+def test_planted_under_torchrun(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    out = fails(check_fully_shard_units, fn, hint=hint, capsys=capsys)
+    assert "FAILED at world size 2, torchrun" in out
+
+
+def test_the_stub_gives_one_short_not_implemented() -> None:
+    with pytest.raises(NotImplementedError, match="stub is not implemented yet"):
+        check_fully_shard_units(stub)
+
+
+def test_a_string_instead_of_the_function_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"check_fully_shard_units\(shard_like_course\)"):
+        check_fully_shard_units("shard_like_course")

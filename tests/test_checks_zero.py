@@ -1,0 +1,172 @@
+"""The checker of exercise 04 (ZeRO-2's bucketed reduce-scatter) passes the reference solution and fails planted
+mistakes with the diagnosis that names them: each planted function is the reference with one thing wrong, as a
+learner would get it."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from reference_solutions import fails, load, passes
+from torch import nn
+
+from fsdp_course import RankContext, run_ranks
+from fsdp_course.classroom.checks import check_zero2_reduce
+from fsdp_course.classroom.checks.zero import CASES, cut_buckets, expected_chunks, rank_grads
+from fsdp_course.engines.zero import ZeRO2, bucket_parameters
+
+ZERO = load("04_zero")
+
+
+def _padded(ctx: RankContext, bucket: list[torch.Tensor]) -> torch.Tensor:
+    flat = torch.cat([g.reshape(-1) for g in bucket])
+    return torch.cat([flat, flat.new_zeros(-flat.numel() % ctx.world_size)])
+
+
+def _buckets(ctx, grads, bucket_numel, reduce, *, flush_last=True):
+    chunks, bucket, size = [], [], 0
+    for g in grads:
+        if bucket and size + g.numel() > bucket_numel:
+            chunks.append(reduce(ctx, bucket))
+            bucket, size = [], 0
+        bucket.append(g)
+        size += g.numel()
+    if bucket and flush_last:
+        chunks.append(reduce(ctx, bucket))
+    return chunks
+
+
+def summed(ctx, grads, bucket_numel):  # op="sum": the ranks' gradients added, not averaged
+    return _buckets(ctx, grads, bucket_numel, lambda c, b: c.reduce_scatter(_padded(c, b), op="sum"))
+
+
+def never_flushed(ctx, grads, bucket_numel):  # the last bucket is left in the loop's variables
+    return _buckets(ctx, grads, bucket_numel, lambda c, b: c.reduce_scatter(_padded(c, b), op="mean"),
+                    flush_last=False)
+
+
+def wrong_rank(ctx, grads, bucket_numel):  # all-reduce the bucket, then cut the next rank's chunk
+    def reduce(c, b):
+        return c.all_reduce(_padded(c, b), op="mean").chunk(c.world_size)[(c.rank + 1) % c.world_size].clone()
+    return _buckets(ctx, grads, bucket_numel, reduce)
+
+
+def all_reduce_then_cut(ctx, grads, bucket_numel):  # right values, but every rank receives the whole bucket
+    def reduce(c, b):
+        return c.all_reduce(_padded(c, b), op="mean").chunk(c.world_size)[c.rank].clone()
+    return _buckets(ctx, grads, bucket_numel, reduce)
+
+
+def every_gradient_alone(ctx, grads, bucket_numel):  # one reduce-scatter per gradient: no buckets
+    return [ctx.reduce_scatter(_padded(ctx, [g]), op="mean") for g in grads]
+
+
+def held_until_the_end(ctx, grads, bucket_numel):  # right buckets, but every gradient held before reducing any
+    return _buckets(ctx, list(grads), bucket_numel, lambda c, b: c.reduce_scatter(_padded(c, b), op="mean"))
+
+
+def no_padding(ctx, grads, bucket_numel):  # the bucket's length must divide by the world size
+    return _buckets(ctx, grads, bucket_numel,
+                    lambda c, b: c.reduce_scatter(torch.cat([g.reshape(-1) for g in b]), op="mean"))
+
+
+def whole_bucket(ctx, grads, bucket_numel):  # returns the all-reduced bucket instead of this rank's chunk
+    return _buckets(ctx, grads, bucket_numel, lambda c, b: c.all_reduce(_padded(c, b), op="mean"))
+
+
+def one_big_bucket(ctx, grads, bucket_numel):  # ignores bucket_numel: everything in one bucket
+    return [ctx.reduce_scatter(_padded(ctx, list(grads)), op="mean")]
+
+
+def stub(ctx, grads, bucket_numel):
+    raise NotImplementedError()
+
+
+def test_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    out = passes(check_zero2_reduce, ZERO["zero2_reduce"], capsys=capsys)
+    assert "one reduce-scatter (mean) per bucket" in out
+
+
+@pytest.mark.parametrize(("fn", "hint"), [
+    (summed, "rank 0's chunk is 2x the average: the gradients were summed"),
+    (never_flushed, "returned 3 chunks for 4 buckets: the last bucket (gradients 4 to 5) was never reduced"),
+    (wrong_rank, "bucket 0 (gradient 0): rank 0 kept rank 1's chunk of the averaged bucket"),
+    (every_gradient_alone, "every gradient was reduced alone: the ledger holds 6 reduce-scatters for 6 gradients, "
+                           "expected 4, one per bucket"),
+    (all_reduce_then_cut, "the ledger holds all_reduce besides the reduce-scatters"),
+    (held_until_the_end, "bucket 0 (gradient 0) was still not reduced when gradient 2 was asked for"),
+    (no_padding, "pad each bucket's flattened gradient with zeros to a multiple of ctx.world_size"),
+    (whole_bucket, "that is the whole bucket: reduce_scatter returns this rank's chunk"),
+    (one_big_bucket, "returned 1 chunk, expected 4: one per bucket"),
+])
+def test_planted(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    out = fails(check_zero2_reduce, fn, world_sizes=(2,), hint=hint, capsys=capsys)
+    assert "FAILED at world size 2, case 0" in out
+
+
+def test_three_ranks_pad_the_last_bucket_and_tell_the_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    out = fails(check_zero2_reduce, wrong_rank, world_sizes=(3,), capsys=capsys,
+                hint="rank 0 kept rank 1's chunk of the averaged bucket")
+    assert "world size 3, case 0" in out
+    fails(check_zero2_reduce, summed, world_sizes=(3,), capsys=capsys, hint="3x the average")
+
+
+def test_one_rank_cannot_tell_a_sum_but_still_sees_the_buckets(capsys: pytest.CaptureFixture[str]) -> None:
+    check_zero2_reduce(summed, world_sizes=(1,))  # one rank: the sum is the mean
+    capsys.readouterr()
+    fails(check_zero2_reduce, never_flushed, world_sizes=(1,), capsys=capsys, hint="was never reduced")
+
+
+def test_the_stub_gives_one_short_not_implemented() -> None:
+    with pytest.raises(NotImplementedError, match="stub is not implemented yet"):
+        check_zero2_reduce(stub, world_sizes=(2,))
+
+
+def test_a_string_instead_of_the_function_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"check_zero2_reduce\(zero2_reduce\)"):
+        check_zero2_reduce("zero2_reduce")
+
+
+def test_the_cases_cut_like_the_engine_and_need_padding() -> None:
+    for shapes, bucket_numel in CASES:
+        named = [(f"p{i}", nn.Parameter(torch.zeros(s))) for i, s in enumerate(shapes)]
+        engine = [[int(name[1:]) for name, _ in b] for b in bucket_parameters(named, bucket_numel)]
+        assert cut_buckets([torch.zeros(s).numel() for s in shapes], bucket_numel) == engine
+    sizes = {sum(torch.zeros(CASES[c][0][i]).numel() for i in b) for c in range(len(CASES))
+             for b in cut_buckets([torch.zeros(s).numel() for s in CASES[c][0]], CASES[c][1])}
+    assert any(s % 2 for s in sizes) and any(s % 3 for s in sizes), "padding is needed at N = 2 and at N = 3"
+
+
+def test_the_reference_chunks_are_the_engines_shard_grads() -> None:
+    """The checker's one-process chunks equal what `ZeRO2` reduce-scatters, on a model whose parameters get the
+    checker's gradients in the checker's order (the engine learns that order in its first backward)."""
+    shapes, bucket_numel = CASES[0]
+    n = 2
+    grads = rank_grads(shapes, n)
+
+    class Chain(nn.Module):  # loss = sum_i <p_i, g_i>: p_i's gradient is g_i (the rank's own)
+        def __init__(self) -> None:
+            super().__init__()
+            self.ps = nn.ParameterList([nn.Parameter(torch.zeros(s)) for s in reversed(shapes)])
+
+        def forward(self, gs: list[torch.Tensor]) -> torch.Tensor:
+            total = torch.zeros(())
+            for p, g in zip(self.ps, reversed(gs), strict=True):
+                total = (p * g).sum() + total * 1.0
+            return total
+
+    model = Chain()
+
+    def rank_fn(ctx: RankContext) -> list[torch.Tensor]:
+        engine = ZeRO2(copy.deepcopy(model), ctx, lambda p: torch.optim.SGD(p, lr=0.1), bucket_numel=bucket_numel)
+        engine(grads[ctx.rank]).backward()  # learns the order, rebuilds
+        engine.zero_grad()
+        engine(grads[ctx.rank]).backward()
+        return [b.shard.grad.clone() for b in engine.buckets]
+
+    expected = expected_chunks(grads, bucket_numel)
+    for rank, got in enumerate(run_ranks(rank_fn, n)):
+        assert len(got) == len(expected[rank])
+        assert all(torch.allclose(a, b) for a, b in zip(got, expected[rank], strict=True))
