@@ -14,6 +14,7 @@ or prints exactly what failed (world size, rank, step, tensor, difference) with 
     06 fsdp          check_fsdp_unit
     07 wrapping      check_unit_numels, check_predicted_peak (a wrap policy's units and its predicted peak)
     08 transformer   check_sharded_checkpoint (sharded checkpoint, loaded back under torchrun)
+    09 model pitfalls         check_forward_logits, check_make_samples (ids into the embedding, logits per sample)
     10 distributed pitfalls   check_clip_grad_norm, check_train_step
     11 real fsdp     check_fully_shard_units (fully_shard on the course's units, under torchrun)
     12 mixed precision        check_found_inf, check_update_scale (fp16 loss scaling over shards)
@@ -48,6 +49,7 @@ from fsdp_course.classroom.checks.hsdp import check_hsdp_grad
 from fsdp_course.classroom.checks.lora import check_lora_linear
 from fsdp_course.classroom.checks.memory import check_zero_memory
 from fsdp_course.classroom.checks.mixed_precision import check_found_inf, check_update_scale
+from fsdp_course.classroom.checks.model_pitfalls import check_forward_logits, check_make_samples
 from fsdp_course.classroom.checks.overlap import check_forward_prefetch
 from fsdp_course.classroom.checks.pitfalls import check_clip_grad_norm, check_train_step
 from fsdp_course.classroom.checks.real_fsdp import check_fully_shard_units
@@ -67,12 +69,14 @@ __all__ = [
     "check_device_peak",
     "check_dim0_chunks",
     "check_flat_param",
+    "check_forward_logits",
     "check_forward_prefetch",
     "check_found_inf",
     "check_fsdp_unit",
     "check_fully_shard_units",
     "check_hsdp_grad",
     "check_lora_linear",
+    "check_make_samples",
     "check_predicted_peak",
     "check_ring_all_reduce",
     "check_sharded_checkpoint",
