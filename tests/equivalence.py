@@ -2,26 +2,39 @@
 
 The harness itself (N ranks versus one process, step by step; the Trainee adapters, Case, Trace,
 compare, check_equivalence) lives in the package, `fsdp_course.engines.equivalence`, because the
-exercise checkers use it at run time. This module adds what only the tests share: the issue's grid
+exercise checkers use it at run time. This module adds what only the tests share: the grid
 of standard cases (an MLP and a small Transformer, each with SGD and AdamW) with its one-process
 references, computed once per test session, and `differing_replicas`, a property the harness does
-not check (it compares every rank with one process within a tolerance, not the ranks bitwise).
+not check (it compares every rank with one process within a tolerance, not the ranks bitwise), and
+`sliced_reference`, one process doing what N ranks do under a mixed-precision policy.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
-from fsdp_course.engines.equivalence import ADAMW, SGD, Case, Trace, digits_batches, run_reference
+from fsdp_course.engines.equivalence import (
+    ADAMW,
+    SGD,
+    Case,
+    MixedPrecisionReference,
+    Trace,
+    digits_batches,
+    full_pieces,
+    local_slice,
+    run_reference,
+)
 from fsdp_course.models import MLP, TransformerClassifier, TransformerConfig
 
 
 @functools.cache
 def standard_cases(steps: int = 5) -> tuple[Case, ...]:
-    """The issue's grid: an MLP and a small Transformer, each with SGD (momentum) and AdamW.
+    """The standard grid: an MLP and a small Transformer, each with SGD (momentum) and AdamW.
 
     AdamW's lr is 1e-3: parameters that only get rounding noise as gradient (attention's key bias)
     move by about lr per step, and the global-norm check must stay far above that noise.
@@ -56,3 +69,30 @@ def differing_replicas(traces: Sequence[Trace]) -> list[str]:
                 if (s, e) != (start, end) or not torch.equal(other, values):
                     out.append(f"step {step + 1}, {name!r}: rank {rank} differs from rank 0")
     return out
+
+
+def sliced_reference(case: Case, world_size: int, dtype: torch.dtype) -> Trace:
+    """One process doing what N ranks under the policy do: each slice's gradient in `dtype` (cast to fp32), their
+    mean in fp32, one optimizer step; the loss is the mean of the slices' losses."""
+    model = MixedPrecisionReference(copy.deepcopy(case.model), dtype)
+    params = list(model.named_parameters())
+    optimizer = case.optimizer_factory([p for _, p in params])
+    trace = Trace()
+    for batch in case.batches:
+        grads = [torch.zeros_like(p) for _, p in params]
+        losses = []
+        for rank in range(world_size):
+            x, y = local_slice(batch, rank, world_size)
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
+            for g, (_, p) in zip(grads, params, strict=True):
+                g += p.grad
+        for g, (_, p) in zip(grads, params, strict=True):
+            p.grad = g / world_size
+        optimizer.step()
+        trace.losses.append(sum(losses) / world_size)
+        trace.grads.append(full_pieces([(n, p.grad) for n, p in params]))
+        trace.params.append(full_pieces(params))
+    return trace

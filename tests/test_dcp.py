@@ -20,17 +20,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-from fsdp_course.runtime.ports import free_port
+from launch import torchrun
 
 HERE = Path(__file__).resolve()
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 STEPS = 3  # AdamW steps before saving: exp_avg, exp_avg_sq and step are not trivial
 BATCH = 12  # global batch: 6 rows per rank at N=2, 4 at N=3
 LR = 1e-2
@@ -45,14 +42,7 @@ TOL_PARAMS = 2e-5
 
 
 def launch(n: int, phase: str, out: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [TORCHRUN, "--nproc-per-node", str(n), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "--max-restarts", "0", str(HERE), phase, str(out)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{phase}: timed out after 600 s:\n{str(err.stdout)[-2000:]}\n{str(err.stderr)[-3000:]}")
-    assert proc.returncode == 0, f"{phase} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    torchrun(HERE, n, phase, str(out), what=phase)
 
 
 @pytest.fixture(scope="module")

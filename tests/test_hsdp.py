@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from equivalence import sliced_reference
+from launch import torchrun
 from torch import nn
 
 from fsdp_course.engines.equivalence import (
@@ -37,11 +37,9 @@ from fsdp_course.engines.equivalence import (
     SGD,
     Case,
     FSDPTrainee,
-    MixedPrecisionReference,
     Trace,
     check_equivalence,
     digits_batches,
-    full_pieces,
     local_slice,
 )
 from fsdp_course.fsdp.api import FSDP
@@ -50,11 +48,9 @@ from fsdp_course.memory import measure, total_bytes
 from fsdp_course.models import MLP, TransformerClassifier, TransformerConfig
 from fsdp_course.runtime.mesh import hsdp_traffic_formula, mesh_groups
 from fsdp_course.runtime.monitor import CollectiveMismatch
-from fsdp_course.runtime.ports import free_port
 from fsdp_course.runtime.simulate import RankError, run_ranks
 
 HERE = Path(__file__).resolve()
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 STEPS, TOL = 4, 1e-5  # test_fsdp.py's tolerance
 TOL_TORCH = 1e-5  # test_train.py's, ours against fully_shard
 
@@ -298,33 +294,6 @@ def test_no_sync_reduces_nothing_and_the_accumulated_step_equals_one_process() -
             assert (state[name] - p).abs().max() <= TOL * p.abs().max(), name
 
 
-def sliced_reference(case: Case, world_size: int, dtype: torch.dtype) -> Trace:
-    """One process doing what N ranks under the policy do: each slice's gradient in `dtype` (cast to fp32), their
-    mean in fp32, one step (as tests/test_mixed_precision_prefetch.py)."""
-    model = MixedPrecisionReference(copy.deepcopy(case.model), dtype)
-    params = list(model.named_parameters())
-    optimizer = case.optimizer_factory([p for _, p in params])
-    trace = Trace()
-    for batch in case.batches:
-        grads = [torch.zeros_like(p) for _, p in params]
-        losses = []
-        for rank in range(world_size):
-            x, y = local_slice(batch, rank, world_size)
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            losses.append(loss.item())
-            for g, (_, p) in zip(grads, params, strict=True):
-                g += p.grad
-        for g, (_, p) in zip(grads, params, strict=True):
-            p.grad = g / world_size
-        optimizer.step()
-        trace.losses.append(sum(losses) / world_size)
-        trace.grads.append(full_pieces([(n, p.grad) for n, p in params]))
-        trace.params.append(full_pieces(params))
-    return trace
-
-
 def test_mixed_precision_bf16_equals_one_process_on_the_same_slices() -> None:
     chosen = cases(("mlp",))
     policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -358,14 +327,7 @@ def test_clipping_uses_the_global_norm() -> None:
 @pytest.fixture(scope="module")
 def torchrun_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("hsdp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [TORCHRUN, "--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "--max-restarts", "0", str(HERE), str(out)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"timed out after 600 s:\n{str(err.stdout)[-2000:]}\n{str(err.stderr)[-3000:]}")
-    assert proc.returncode == 0, f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    torchrun(HERE, 4, str(out))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 

@@ -18,8 +18,6 @@ import functools
 import inspect
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from launch import torchrun
 from torch import nn
 
 from fsdp_course.engines.equivalence import (
@@ -44,7 +43,6 @@ from fsdp_course.memory import attach, measure
 from fsdp_course.models import TransformerClassifier, TransformerConfig, count_parameters
 
 HERE = Path(__file__).resolve()
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 STEPS, BATCH, TOL = 5, 24, 1e-5  # tests/test_fsdp.py's: 24 divides by 2 and 3; tests/test_train.py's TOL too
 RANK, ALPHA = 2, 4.0
 WRAP = {nn.TransformerEncoderLayer}
@@ -311,16 +309,7 @@ def test_lora_shrinks_the_reduce_scatter_not_the_all_gather(world_size: int) -> 
 @pytest.fixture(scope="module")
 def torchrun_reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("lora")
-    from fsdp_course.runtime.ports import free_port
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "--max-restarts", "0", str(HERE), str(out)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"timed out after 300 s:\n{str(err.stdout)[-2000:]}\n{str(err.stderr)[-3000:]}")
-    assert proc.returncode == 0, f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    torchrun(HERE, 2, str(out), timeout=300)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -14,20 +14,15 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from equivalence import standard_cases, standard_references
+from equivalence import sliced_reference, standard_cases, standard_references
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_course.engines.equivalence import (
-    Case,
     FSDPTrainee,
     MixedPrecisionReference,
     ModuleTrainee,
-    Trace,
     check_equivalence,
-    full_pieces,
-    local_slice,
     train,
 )
 from fsdp_course.fsdp.api import FSDP
@@ -44,33 +39,6 @@ def make(**kwargs):
         wrap = {nn.Linear} if isinstance(model, MLP) else {nn.TransformerEncoderLayer}
         return FSDPTrainee(FSDP(model, ctx, wrap=wrap, **kwargs), optimizer_factory)
     return build
-
-
-def sliced_reference(case: Case, world_size: int, dtype: torch.dtype) -> Trace:
-    """One process doing what N ranks under the policy do: each slice's gradient in `dtype` (cast to fp32), their
-    mean in fp32, one optimizer step; the loss is the mean of the slices' losses."""
-    model = MixedPrecisionReference(copy.deepcopy(case.model), dtype)
-    params = list(model.named_parameters())
-    optimizer = case.optimizer_factory([p for _, p in params])
-    trace = Trace()
-    for batch in case.batches:
-        grads = [torch.zeros_like(p) for _, p in params]
-        losses = []
-        for rank in range(world_size):
-            x, y = local_slice(batch, rank, world_size)
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            losses.append(loss.item())
-            for g, (_, p) in zip(grads, params, strict=True):
-                g += p.grad
-        for g, (_, p) in zip(grads, params, strict=True):
-            p.grad = g / world_size
-        optimizer.step()
-        trace.losses.append(sum(losses) / world_size)
-        trace.grads.append(full_pieces([(n, p.grad) for n, p in params]))
-        trace.params.append(full_pieces(params))
-    return trace
 
 
 def test_bf16_at_one_rank_is_bit_identical_to_one_process_under_the_policy():

@@ -20,18 +20,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-from fsdp_course.runtime.ports import free_port
+from launch import torchrun
 
 HERE = Path(__file__).resolve()
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 STEPS = 6
 TRAIN = ["--config", "small", "--steps", str(STEPS), "--batch-size", "32", "--log-every", "100", "--timeout", "60"]
 
@@ -77,14 +73,7 @@ def rel(a: float, b: float) -> float:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every run's summary (with its report as "report"), and the scaler claim's per-rank reports as "scaler"."""
     out = tmp_path_factory.mktemp("features")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "--max-restarts", "0", str(HERE), str(out)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"timed out after 600 s:\n{str(err.stdout)[-2000:]}\n{str(err.stderr)[-3000:]}")
-    assert proc.returncode == 0, f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    proc = torchrun(HERE, 2, str(out))
     results: dict[str, Any] = {name: json.loads((out / f"{name}.json").read_text()) for name in RUNS}
     last = list(RUNS)[-1]
     results[last]["report"] = proc.stdout[proc.stdout.index("summary: engine="):]  # printed by main()
