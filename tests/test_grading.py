@@ -5,7 +5,11 @@ cells moved and removed, an untouched stub, one that raises (and floods its outp
 folder), one that hangs (short --timeout), malformed JSON, one whose checker cells were edited, emptied and deleted,
 another exercise saved under 01's name, an empty folder, a saboteur (deletes every gradebook it finds beside its
 TMPDIR while the others are graded), and one that kills its grading worker. Two notebooks start a detached
-`sleep` (start_new_session=True) and write its pid. The tests then read the CSV, the feedback and the pids.
+`sleep` (start_new_session=True) and write its pid. Four try to game the checks: rebinding every check_* (module
+attributes, the notebook's names, sys.modules), hiding the checkers' exceptions (an IPython custom exception
+handler, sys.excepthook, printing the checkers' "passed" line), blanking the checker cells with an IPython input
+transformer, and patching torch under a correct solution. The tests then read the CSV, the feedback (text and
+HTML) and the pids.
 Smaller runs (exercise 01 only, one student) check what is refused up front and Ctrl-C / SIGTERM.
 """
 
@@ -26,10 +30,11 @@ import nbformat
 import pytest
 
 from fsdp_course.classroom import cli, grading
+from fsdp_course.classroom.autograde import _package_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 EX01 = "01_collectives"
-TIMEOUT = 25.0  # seconds per notebook: the correct notebook needs a few; the hanging one uses them all
+TIMEOUT = 40.0  # seconds per notebook: a correct one needs a few (more on a loaded machine); the hanging one uses all
 
 
 def _cell(nb: nbformat.NotebookNode, grade_id: str) -> nbformat.NotebookNode:
@@ -87,6 +92,35 @@ json.dump({"found": found, "beside_tmpdir": sorted(os.listdir(os.path.dirname(tm
 """
 
 
+REBIND = """import sys
+import fsdp_course.classroom.checks as checks
+def passed(*args, **kwargs):
+    print("All tests passed!")
+fake = type(sys)("fsdp_course.classroom.checks")
+for name, module in list(sys.modules.items()):
+    if name.startswith("fsdp_course.classroom.checks") and module is not None:
+        for attr in dir(module):
+            if attr.startswith("check_"):
+                setattr(module, attr, passed)
+                setattr(fake, attr, passed)
+                globals()[attr] = passed
+sys.modules["fsdp_course.classroom.checks"] = fake
+"""
+HIDE = """import sys
+get_ipython().set_custom_exc((BaseException,), lambda *args, **kwargs: print("All tests passed!"))
+sys.excepthook = lambda *args: None
+print("All tests in check_all_reduce passed!")
+print("All tests in check_ring_all_reduce passed!")
+"""
+BLANK = """get_ipython().input_transformers_cleanup.append(
+    lambda lines: ["pass\\n"] if any("check_" in line for line in lines) else lines)
+"""
+PATCH = """import torch
+torch.equal = lambda *args, **kwargs: True
+torch.allclose = lambda *args, **kwargs: True
+"""
+
+
 def _make_class(root: Path, spy: Path) -> None:
     def put(student: str, nb: nbformat.NotebookNode | str, name: str = f"{EX01}.ipynb") -> None:
         folder = root / student
@@ -108,6 +142,13 @@ def _make_class(root: Path, spy: Path) -> None:
     put("partly", partly)
 
     put("stub", _exercise())
+    for student, cell in (("rebinder", REBIND), ("hider", HIDE), ("blanker", BLANK)):  # stubs that game the checks
+        gamed = _exercise()
+        gamed.cells.insert(1, _code(cell))
+        put(student, gamed)
+    patcher = _solve(_exercise(), "my_all_reduce", "ring_all_reduce")
+    patcher.cells.insert(1, _code(PATCH))
+    put("patcher", patcher)
 
     raising = _solve(_exercise(), "my_all_reduce", "ring_all_reduce")  # and floods, and deletes its files
     raising.cells.insert(2, _code("raise RuntimeError('a bug in a cell outside the checks')"))
@@ -157,14 +198,16 @@ def graded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     out = root / "grades.csv"
     leftovers = lambda: set(Path(tempfile.gettempdir()).glob("fsdp_grade_*"))  # noqa: E731
     before = leftovers()
+    digest = _package_digest()
     status = cli.main(["grade", str(submissions), "--out", str(out), "--solutions", str(ROOT / "solutions"),
                        "--timeout", str(TIMEOUT), "--jobs", "2"])
     left = leftovers() - before
     with out.open() as f:
         rows = {row["student"]: row for row in csv.DictReader(f)}
     feedback = {p.stem: p.read_text() for p in (root / "grades_feedback").glob("*.txt")}
+    html = {p.stem: p.read_text() for p in (root / "grades_feedback").glob("*.html")}
     return {"status": status, "rows": rows, "feedback": feedback, "submissions": submissions, "left": left,
-            "spy": spy}
+            "spy": spy, "html": html, "files_changed": _package_digest() != digest}
 
 
 def test_grading_leaves_no_temporary_folders(graded: dict[str, object]) -> None:
@@ -174,9 +217,10 @@ def test_grading_leaves_no_temporary_folders(graded: dict[str, object]) -> None:
 
 def test_one_row_and_one_feedback_file_per_student(graded: dict) -> None:
     students = {"correct", "different", "empty", "hanging", "killer", "malformed", "partly", "raising", "saboteur",
-                "stub", "tampered"}
+                "stub", "tampered", "rebinder", "hider", "blanker", "patcher"}
     assert set(graded["rows"]) == students
     assert set(graded["feedback"]) == students
+    assert set(graded["html"]) == students
     header = list(next(iter(graded["rows"].values())))
     exercises = sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb"))
     assert header == ["student", *exercises, "total", "max_total", "status", "notes"]
@@ -193,6 +237,10 @@ def test_one_row_and_one_feedback_file_per_student(graded: dict) -> None:
     ("malformed", "0", "invalid"),
     ("different", "0", "invalid"),
     ("empty", "0", "invalid"),
+    ("rebinder", "0", "ok"),
+    ("hider", "0", "ok"),
+    ("blanker", "0", "ok"),
+    ("patcher", "0", "ok"),
 ])
 def test_scores_and_status(graded: dict, student: str, score: str, status: str) -> None:
     row = graded["rows"][student]
@@ -211,6 +259,11 @@ def test_only_the_instructors_checks_count(graded: dict) -> None:
     assert "not exercise 02_ddp: it holds the cells of 01_collectives" in text
     assert "my_all_reduce is not implemented yet" in text  # the restored checkers ran
     assert "NameError: name 'ring_all_reduce' is not defined" in text
+    assert "FLAGGED for the instructor: cell 2 rebinds a check_* name" in text
+    assert "FLAGGED for the instructor: 2 names in the notebook's namespace were rebound: check_all_reduce, " \
+           "check_ring_all_reduce" in text
+    # its HTML page too: nbgrader's template on a notebook whose deleted checker cells were added back
+    assert "Grade cell: <code>check_ring_all_reduce</code>" in graded["html"]["tampered"]
 
 
 def test_feedback_says_what_passed_and_what_failed(graded: dict) -> None:
@@ -224,6 +277,56 @@ def test_feedback_says_what_passed_and_what_failed(graded: dict) -> None:
     assert "[FAIL] check_ring_all_reduce (0 / 2)" in partly
     assert "ring_all_reduce is not implemented yet" in partly
     assert "checker cell check_ring_all_reduce stood above the cells it checks" in partly
+
+
+def test_rebinding_the_checks_gains_nothing_and_is_flagged(graded: dict) -> None:
+    text, row = graded["feedback"]["rebinder"], graded["rows"]["rebinder"]
+    assert "[FAIL] check_all_reduce (0 / 3)" in text and "[FAIL] check_ring_all_reduce (0 / 2)" in text
+    assert "my_all_reduce is not implemented yet" in text  # the grader's own copy of the checks ran on the stub
+    assert "names in fsdp_course.classroom.checks were replaced: check_" in text  # module attributes
+    assert "names in fsdp_course.classroom.checks.collectives were replaced: check_" in text
+    assert "FLAGGED for the instructor: sys.modules['fsdp_course.classroom.checks'] was replaced" in text
+    assert "names in the notebook's namespace were rebound: check_" in text
+    assert f"{EX01}: FLAGGED: " in row["notes"]
+
+
+def test_hiding_the_checkers_errors_gains_nothing_and_is_flagged(graded: dict) -> None:
+    hider, blanker = graded["feedback"]["hider"], graded["feedback"]["blanker"]
+    assert "[FAIL] check_all_reduce (0 / 3)" in hider  # printing "passed" scores nothing either
+    assert "FLAGGED for the instructor: cell 2 sets an IPython custom exception handler" in hider
+    assert "FLAGGED for the instructor: an IPython custom exception handler (set_custom_exc) changed" in hider
+    assert "FLAGGED for the instructor: cell 2 sets sys.excepthook" in hider
+    assert "[FAIL] check_all_reduce (0 / 3)" in blanker
+    assert "GraderCheckIncomplete: the checker cell did not run to its end as the grader wrote it" in blanker
+    assert "FLAGGED for the instructor: cell 2 changes how IPython runs cells" in blanker
+
+
+def test_patching_what_the_checks_use_fails_them_and_is_flagged(graded: dict) -> None:
+    text = graded["feedback"]["patcher"]  # a correct solution, with torch.equal and torch.allclose replaced
+    assert "CheckingMachineryModified: this check is not scored: the notebook modified what the checker relies on " \
+           "(2 names in torch were replaced: allclose, equal)" in text
+    assert "FLAGGED for the instructor: 2 names in torch were replaced: allclose, equal" in text
+
+
+def test_an_honest_notebook_is_not_flagged(graded: dict) -> None:
+    changed = "FLAGGED for the instructor: the course's files on disk changed while this notebook ran"
+    for student in ("correct", "partly", "stub"):
+        text = graded["feedback"][student]
+        if graded["files_changed"]:  # someone edited the package during the run: that flag is right
+            text = "\n".join(line for line in text.splitlines() if changed not in line)
+        assert "FLAGGED" not in text
+        assert graded["files_changed"] or "FLAGGED" not in graded["rows"][student]["notes"]
+
+
+def test_html_feedback_per_student(graded: dict) -> None:
+    page = graded["html"]["partly"]
+    assert page.startswith("<!DOCTYPE html>") and "<title>Feedback for partly</title>" in page
+    assert "[FAIL] check_ring_all_reduce (0 / 2)" in page  # the summary
+    # nbgrader's feedback template: the notebook's cells, each checker cell with its score
+    assert 'Grade cell: <code>check_ring_all_reduce</code>' in page and "Score: 0.0 / 2.0" in page
+    assert "Score: 3.0 / 3.0" in page and "ring_all_reduce is not implemented yet" in page
+    assert page.count("bootstrap") < 10  # nbgrader's stylesheet once, not once per notebook
+    assert "not submitted (expected 02_ddp.ipynb)" in page
 
 
 def test_problems_are_reported(graded: dict) -> None:

@@ -30,6 +30,23 @@ checker cell moved above the cells it checks is moved back below them; and cells
 "no error". If `add_missing_cells` cannot place a deleted checker (nbgrader puts it after the cell
 before it, which may be gone too), the missing checkers go at the end.
 
+Against gaming (nbgrader scores a checker cell by the absence of an error, so a notebook that defeats the checks
+or hides their errors would score): `_install_guard` puts a first cell of the grader's before the student's,
+which imports the checks twice, a public copy (the one a student's `import` finds) and a private one held only in
+a closure (no sys.modules entry, no package attribute), and records what the checks rely on: the course's
+modules and their classes, torch's namespaces, builtins, IPython's exception handler, transformers and event
+callbacks. Each checker cell is rewritten to take its check functions from the private copy and to report before
+and after the check: a change to the public copy or to the notebook's check_* names is flagged; a change to what
+the private copy uses is flagged and fails the cell (CheckingMachineryModified). A checker cell without its
+closing report (its code was changed while it ran) gets an error; nbgrader's Execute already turns an error that
+a custom exception handler hid into an error output (the kernel's reply says error). Each student cell whose
+source names such machinery is flagged too, and so is a change to the course's files on disk. The grader's
+cell, the rewritten sources and its reports are removed before scoring. This raises the bar for code in the same
+process; it cannot stop deeper patching (torch's C functions, the kernel's messaging): grade untrusted
+submissions in a container.
+
+Feedback: `feedback_html` renders the graded notebook with nbgrader's `generate_feedback` template.
+
 Usage (grading.py runs `grade_notebook` in one worker process per notebook, each a process of its own: it
 kills its own child processes; by hand: `python -m fsdp_course.classroom.autograde JOB.json`): the job names the
 submission, its exercise, the gradebook file, the time limit and where to write the result (JSON).
@@ -39,9 +56,13 @@ grader's own as status `grader-error`.
 
 from __future__ import annotations
 
+import ast
 import ctypes
+import hashlib
 import json
 import os
+import re
+import secrets
 import sqlite3
 import sys
 import tempfile
@@ -50,6 +71,7 @@ import traceback
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +224,306 @@ def _sanitize(nb: NotebookNode, exercise: str, db_url: str, info: dict[str, Any]
     return notes
 
 
+# -- the grader's own checks, and what tampering it notices ---------------------------------------------------
+GUARD_MIME = "application/vnd.fsdp-course.grader+json"  # the guard's reports: display data, removed before scoring
+CHECKS_PACKAGE = "fsdp_course.classroom.checks"
+
+# The first cell of every graded notebook (the grader's, run before any cell of the student's): it imports the
+# checkers twice, a public copy (what `from fsdp_course.classroom.checks import ...` finds) and a private one, kept
+# in a closure and in no sys.modules entry, that the rewritten checker cells call. It records what the checks rely
+# on (the course's modules and classes, torch's namespaces, builtins, IPython's hooks) to compare before and after
+# every checker cell. A change to the public copy or to the notebook's check_* names is flagged only (the private
+# copy decides the score); a change to anything the private copy uses is flagged and fails the check.
+GUARD_SOURCE = r'''
+def __GUARD_FACTORY__(preload, mime, checks_package):
+    import builtins, importlib, sys, types
+    from IPython import get_ipython
+    from IPython.display import publish_display_data
+
+    for name in preload:
+        importlib.import_module(name)
+    mine = lambda k: k == checks_package or k.startswith(checks_package + ".")
+    public = importlib.import_module(checks_package)
+    parent = importlib.import_module(checks_package.rpartition(".")[0])
+    shared = {k: sys.modules.pop(k) for k in list(sys.modules) if mine(k)}
+    try:
+        private = importlib.import_module(checks_package)
+    finally:
+        own = {k: sys.modules.pop(k) for k in list(sys.modules) if mine(k)}
+        sys.modules.update(shared)
+        setattr(parent, checks_package.rpartition(".")[2], public)
+    checkers = {n: getattr(private, n) for n in private.__all__ if n.startswith("check_")}
+    shell = get_ipython()
+    unwatched_builtins = {"input", "raw_input", "get_ipython", "exit", "quit", "display", "help", "copyright",
+                          "credits", "license", "_", "__", "___"}
+
+    def watched_objects():
+        """(label, kind, object): kind 'public' is flagged only, 'used' is flagged and fails the check."""
+        out = [(k, "public", m) for k, m in shared.items()] + [(k + " (the grader's copy)", "used", m)
+                                                               for k, m in own.items()]
+        for k, m in list(sys.modules.items()):
+            if m is not None and (k == "fsdp_course" or k.startswith("fsdp_course.")) and not mine(k):
+                out.append((k, "used", m))
+        for k in ("torch", "torch.distributed", "torch.distributed.distributed_c10d", "torch.nn.functional",
+                  "torch.testing", "math", "builtins"):
+            if k in sys.modules:
+                out.append((k, "used", sys.modules[k]))
+        classes = []
+        for label, kind, m in list(out):
+            classes += [(f"{label}.{n}", kind, c) for n, c in vars(m).items()
+                        if isinstance(c, type) and getattr(c, "__module__", None) == m.__name__]
+        import torch
+        classes += [(f"torch.{c.__name__}", "used", c) for c in (torch.Tensor, torch.nn.Module, torch.nn.Parameter)]
+        for obj in (shell, getattr(shell, "kernel", None)):
+            if obj is not None:
+                classes += [(f"{c.__module__}.{c.__qualname__}", "used", c) for c in type(obj).__mro__
+                            if c is not object]
+        return out + classes
+
+    def fingerprint(ns, skip=()):
+        table = {}
+        for k, v in list(ns.items()):
+            if k in skip or not (callable(v) or isinstance(v, (types.ModuleType, staticmethod, classmethod,
+                                                               property))):
+                continue
+            code = getattr(v, "__code__", None) if isinstance(v, types.FunctionType) else None
+            table[k] = (v, code, getattr(v, "__defaults__", None), getattr(v, "__kwdefaults__", None))
+        return table
+
+    def shell_state():
+        return {"an IPython custom exception handler (set_custom_exc)": (tuple(shell.custom_exceptions),
+                                                                         shell.CustomTB),
+                "IPython's input transformers": tuple(shell.input_transformers_cleanup)
+                + tuple(shell.input_transformers_post),
+                "IPython's AST transformers": tuple(shell.ast_transformers),
+                "IPython's event callbacks": tuple((e, tuple(c)) for e, c in shell.events.callbacks.items()),
+                "sys.excepthook": sys.excepthook,
+                "the IPython shell's methods": methods(shell),
+                "the kernel's methods": methods(getattr(shell, "kernel", shell))}
+
+    def methods(obj):
+        return tuple(sorted((k, id(v)) for k, v in vars(obj).items()
+                            if isinstance(v, types.MethodType | types.FunctionType)))
+
+    def snapshot():
+        return ({label: (kind, obj, fingerprint(vars(obj), unwatched_builtins if obj is builtins else ()))
+                 for label, kind, obj in watched_objects()},
+                {label.split(" ")[0]: obj for label, _, obj in watched_objects() if isinstance(obj, types.ModuleType)
+                 and not label.endswith("(the grader's copy)")},
+                shell_state())
+
+    baseline = snapshot()
+    torch_wraps = {("torch", "manual_seed")}  # importing torch._dynamo (2-3 s) wraps it, keeping it as __wrapped__
+    public_names = {n: getattr(public, n) for n in checkers}
+
+    def findings():
+        tables, modules, state = baseline
+        found = []  # (kind, what)
+        for label, (kind, obj, table) in tables.items():
+            ns = vars(obj)
+            for k, (v, code, defaults, kwdefaults) in table.items():
+                now = ns.get(k, found)
+                if now is found:
+                    found.append((kind, f"{label}.{k} was deleted"))
+                elif (label, k) in torch_wraps and getattr(now, "__wrapped__", None) is v:
+                    continue
+                elif now is not v:
+                    found.append((kind, f"{label}.{k} was replaced"))
+                elif code is not None and (now.__code__ is not code or now.__defaults__ is not defaults
+                                           or now.__kwdefaults__ is not kwdefaults):
+                    found.append((kind, f"{label}.{k}'s code was replaced"))
+        for name, m in modules.items():
+            if sys.modules.get(name) is not m:
+                found.append(("public" if mine(name) else "used", f"sys.modules[{name!r}] was replaced"))
+        for what, value in shell_state().items():
+            if value != state[what]:
+                found.append(("used", f"{what} changed"))
+        user_ns = shell.user_ns
+        for n, fn in checkers.items():
+            if n in user_ns and user_ns[n] is not fn and user_ns[n] is not public_names[n]:
+                found.append(("public", f"the notebook's namespace.{n} was rebound"))
+        return found
+
+    def report(grade_id, stage, nonce=None):
+        found = findings()
+        flags = summary(found)
+        publish_display_data({mime: {"grade_id": grade_id, "stage": stage, "nonce": nonce, "flags": flags},
+                              "text/plain": f"(grader: {len(flags)} findings)"})
+        used = summary([f for f in found if f[0] == "used"])
+        if used:
+            raise CheckingMachineryModified(
+                "this check is not scored: the notebook modified what the checker relies on ("
+                + "; ".join(used) + "). Your instructor sees this note.")
+
+    def summary(found):
+        """One line per module (or class) and kind of change: 'torch.equal was replaced', or
+        '3 names in torch were replaced: allclose, equal, isclose'."""
+        groups = {}
+        for _, what in found:
+            head, sep, tail = what.partition(" was ")
+            label, dot, name = head.rpartition(".") if sep and not head.startswith("sys.modules") else ("", "", head)
+            groups.setdefault((label, tail) if label else (what, ""), []).append(name)
+        lines = []
+        for (label, tail), names in sorted(groups.items()):
+            names = sorted(set(names))
+            if not tail:
+                lines.append(label)
+            elif len(names) == 1:
+                lines.append(f"the notebook's name {names[0]} was {tail}" if label == "the notebook's namespace"
+                             else f"{label}.{names[0]} was {tail}")
+            else:
+                shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+                lines.append(f"{len(names)} names in {label} were {tail}: {shown}")
+        return lines
+
+    class CheckingMachineryModified(Exception):
+        """A checker cell found the checking machinery modified: the cell scores 0, the note goes to the instructor."""
+
+    class Guard:
+        __slots__ = ()
+
+        def begin(self, grade_id):
+            report(grade_id, "begin")
+
+        def get(self, *names):
+            fns = tuple(checkers.get(n) or getattr(own[checks_package], n) for n in names)
+            return fns[0] if len(fns) == 1 else fns
+
+        def module(self, name):
+            return own[name]
+
+        def done(self, grade_id, nonce):
+            report(grade_id, "done", nonce)
+
+    return Guard()
+'''
+
+
+@dataclass
+class _Guard:
+    """What the grader put into one notebook: the guard's name there, and each checker cell's nonce and source."""
+
+    name: str
+    nonces: dict[str, str]
+    originals: dict[str, str]
+
+
+def _checks_dir() -> Path:
+    import fsdp_course.classroom.checks as checks  # noqa: PLC0415  (imports torch: only here, in the worker)
+
+    return Path(checks.__file__).parent
+
+
+def _preload() -> list[str]:
+    """The modules the checks import, also inside functions: the guard imports them before any student cell."""
+    names = {CHECKS_PACKAGE, "fsdp_course"}
+    for path in sorted(_checks_dir().glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_course"):
+                names.add(node.module)
+    return sorted(names)
+
+
+def _rewrite_checker(source: str, guard: str, grade_id: str, nonce: str) -> str:
+    """A checker cell that imports its checks from the grader's private copy, and reports before and after."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return source  # the instructor's cell fails as it is
+    lines = source.splitlines()
+    for node in sorted((n for n in tree.body if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module
+                        and (n.module == CHECKS_PACKAGE or n.module.startswith(CHECKS_PACKAGE + "."))),
+                       key=lambda n: -n.lineno):
+        if any(a.name == "*" for a in node.names):
+            continue
+        targets = ", ".join(a.asname or a.name for a in node.names)
+        names = ", ".join(repr(a.name) for a in node.names)
+        if node.module == CHECKS_PACKAGE:
+            value = f"{guard}.get({names})"
+        else:
+            value = ", ".join(f"{guard}.module({node.module!r}).{a.name}" for a in node.names)
+        indent = lines[node.lineno - 1][:node.col_offset]
+        lines[node.lineno - 1:node.end_lineno] = [f"{indent}{targets} = {value}  # the grader's own copy"]
+    return "\n".join([f"{guard}.begin({grade_id!r})", *lines, f"{guard}.done({grade_id!r}, {nonce!r})"])
+
+
+def _install_guard(nb: NotebookNode, graded: dict[str, float]) -> _Guard:
+    """Rewrite the checker cells to go through the guard, and put the guard's cell first."""
+    guard = _Guard(name=f"_grader_{secrets.token_hex(6)}", nonces={}, originals={})
+    for cell in nb.cells:
+        gid = _nbgrader_id(cell)
+        if cell.cell_type == "code" and gid in graded:
+            guard.nonces[gid] = secrets.token_hex(16)
+            guard.originals[gid] = cell.source
+            cell.source = _rewrite_checker(cell.source, guard.name, gid, guard.nonces[gid])
+    factory = f"_grader_factory_{secrets.token_hex(6)}"
+    setup = (GUARD_SOURCE.replace("__GUARD_FACTORY__", factory)
+             + f"\n{guard.name} = {factory}({_preload()!r}, {GUARD_MIME!r}, {CHECKS_PACKAGE!r})\ndel {factory}\n")
+    nb.cells.insert(0, nbformat.v4.new_code_cell(setup, metadata={"fsdp_course_grader": True}))
+    return guard
+
+
+def _collect_receipts(nb: NotebookNode, guard: _Guard) -> list[str]:
+    """Remove the guard's reports from the checker cells; return its findings. A checker cell without its
+    closing report and without an error did not run as the grader wrote it: it gets an error (scores 0)."""
+    flags: set[str] = set()
+    for cell in nb.cells:
+        gid = _nbgrader_id(cell)
+        if gid not in guard.nonces:
+            continue
+        reports = [o.data[GUARD_MIME] for o in cell.get("outputs", []) if "data" in o and GUARD_MIME in o.data]
+        cell.outputs = [o for o in cell.get("outputs", []) if not ("data" in o and GUARD_MIME in o.data)]
+        for r in reports:
+            flags.update(str(f) for f in r.get("flags", []) if isinstance(r, dict))
+        done = any(isinstance(r, dict) and r.get("stage") == "done" and r.get("nonce") == guard.nonces[gid]
+                   and r.get("grade_id") == gid for r in reports)
+        if not done and not any(o.output_type == "error" for o in cell.outputs):
+            why = "the checker cell did not run to its end as the grader wrote it (was its code changed as it ran?)"
+            cell.outputs.append(error_output("GraderCheckIncomplete", why))
+            flags.add(f"checker cell {gid}: {why}")
+        cell.source = guard.originals[gid]
+    return sorted(flags)
+
+
+# what a student's cell has no honest reason to write: each is flagged for the instructor (the score is not changed)
+_SUSPECT = [
+    (re.compile(r"set_custom_exc|CustomTB"), "sets an IPython custom exception handler"),
+    (re.compile(r"\bexcepthook\b"), "sets sys.excepthook"),
+    (re.compile(r"input_transformers|ast_transformers|\.events\.register"), "changes how IPython runs cells"),
+    (re.compile(r"\bshowtraceback\b|\brun_cell\b|\bdo_execute\b"), "touches IPython's execution"),
+    (re.compile(r"sys\.modules\s*\["), "edits sys.modules"),
+    (re.compile(r"setattr\([^)]*['\"]check_"), "rebinds a check_* name"),
+    (re.compile(r"\bfsdp_course(\.\w+)+\s*=(?!=)"), "assigns to an fsdp_course module's attribute"),
+]
+
+
+def _static_flags(nb: NotebookNode, graded: dict[str, float]) -> list[str]:
+    """The student's cells that touch the checking machinery, by what their source says (before anything runs)."""
+    import fsdp_course.classroom.checks as checks  # noqa: PLC0415
+
+    names = "|".join(n for n in checks.__all__ if n.startswith("check_"))
+    rebinding = re.compile(rf"(?<![\w.])(?:\w+\.)*(?:{names})\s*(?:,[^=\n]*)?=(?!=)")  # check_x = ..., m.check_x = ...
+    flags = []
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or _nbgrader_id(cell) in graded:
+            continue
+        source = cell.source if isinstance(cell.source, str) else "".join(cell.source)
+        code = "\n".join(line.split("#", 1)[0] for line in source.splitlines())
+        for pattern, what in [*_SUSPECT, (rebinding, "rebinds a check_* name")]:
+            if pattern.search(code):
+                flags.append(f"cell {index + 1} {what}")
+    return flags
+
+
+def _package_digest() -> str:
+    """A digest of the course's Python files on disk: a notebook that edits them is flagged."""
+    root = _checks_dir().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
 def _adopt_orphans() -> None:
     """Linux: a process whose parent ends (a notebook's double-forked daemon) becomes this process's child, not
     init's, so that `kill_tree` below still finds it. Elsewhere nothing happens."""
@@ -259,12 +581,15 @@ def _grade(nb: NotebookNode, job: dict[str, Any], db_url: str, result: dict[str,
         result.update(status="invalid", notes=[f"not exercise {exercise}: {why}"])
         return result
     result["notes"] += _sanitize(nb, exercise, db_url, info)
+    flags = _static_flags(nb, info["graded"])
 
     # a level down, so that a notebook that deletes '..' (its work folder) keeps its TMPDIR
     work, tmpdir = Path(job["sandbox"]) / "work" / exercise, Path(job["sandbox"]) / "tmp"
     work.mkdir(parents=True)
     tmpdir.mkdir()
     nbformat.write(nb, work / f"{exercise}.ipynb")  # the copy the kernel runs beside (it runs the one in memory)
+    guard = _install_guard(nb, info["graded"])  # after that copy: the kernel's files name no nonce of the guard's
+    digest = _package_digest()
     executor = TimedExecute(timeout=None, notebook_timeout=float(job["timeout"]),
                             max_output_chars=int(job.get("max_output_chars", 20_000)), raise_on_iopub_timeout=False)
     executor.kernel_env = _kernel_env(tmpdir)
@@ -281,9 +606,17 @@ def _grade(nb: NotebookNode, job: dict[str, Any], db_url: str, result: dict[str,
         elif getattr(km.provisioner, "pid", None):
             kill_tree(km.provisioner.pid)  # the kernel and all below it
         shutdown(km)
+    setup = nb.cells.pop(0)  # the guard's cell: not the student's
+    if 0 not in executor.executed or any(o.output_type == "error" for o in setup.get("outputs", [])):
+        if not executor.stopped:
+            raise RuntimeError(f"the grader's first cell failed: {_cell_text(setup)}"[:1000])
+    executed = {i - 1 for i in executor.executed if i > 0}
     for index, cell in enumerate(nb.cells):
-        if cell.cell_type == "code" and index not in executor.executed and not cell.get("outputs"):
+        if cell.cell_type == "code" and index not in executed and not cell.get("outputs"):
             cell.outputs = [error_output(NOT_RUN, executor.stopped or "not run")]
+    flags += _collect_receipts(nb, guard)
+    if _package_digest() != digest:
+        flags.append("the course's files on disk changed while this notebook ran (grade in a container)")
     nb, _ = LimitOutput().preprocess(nb, {})
 
     with Gradebook(db_url) as gb:
@@ -311,8 +644,37 @@ def _grade(nb: NotebookNode, job: dict[str, Any], db_url: str, result: dict[str,
         result["notes"].append(f"stopped: {executor.stopped}; the cells after it were not run")
     elif result["errors"]:
         result["status"] = "error"
+    result["flags"] = list(dict.fromkeys(flags))
+    if job.get("html", True):
+        try:
+            result["html"] = feedback_html(nb, resources)
+        except Exception as exc:  # noqa: BLE001  (the scores stand; only this page is missing)
+            result["notes"].append(f"no HTML feedback for this notebook: {type(exc).__name__}: {exc}"[:300])
     result["seconds"] = round(time.monotonic() - started, 1)
     return result
+
+
+def feedback_html(nb: NotebookNode, resources: dict[str, Any]) -> str:
+    """The graded notebook as nbgrader's `generate_feedback` renders it (its `feedback` template, scores per cell
+    from the gradebook by its GetGrades preprocessor): a whole HTML page."""
+    import nbgrader
+    from nbconvert.exporters import HTMLExporter
+    from nbgrader.preprocessors import GetGrades
+    from traitlets.config import Config
+
+    nb = nbformat.from_dict(nb)  # cells nbgrader added back hold plain dicts; its templates want attributes
+    nb, resources = GetGrades().preprocess(nb, {**resources, "nbgrader": dict(resources["nbgrader"])})
+    formgrader = Path(nbgrader.__file__).parent / "server_extensions" / "formgrader"
+    config = Config()  # what nbgrader's GenerateFeedback configures
+    config.HTMLExporter.template_name = "feedback"
+    config.HTMLExporter.extra_template_basedirs = [str(formgrader / "templates")]
+    config.HTMLExporter.extra_template_paths = [str(formgrader / "static" / "node_modules" / "bootstrap" / "dist"
+                                                    / "css")]
+    html, _ = HTMLExporter(config=config).from_notebook_node(nb, resources=resources)
+    return html
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the colours of a rendered traceback
 
 
 def _cell_text(cell: NotebookNode, max_lines: int = 40) -> str:
@@ -321,6 +683,9 @@ def _cell_text(cell: NotebookNode, max_lines: int = 40) -> str:
     for o in cell.get("outputs", []):
         if o.output_type == "stream":
             parts.append(o.text)
+        elif o.output_type == "error" and o.ename == "CheckFailed" and o.get("traceback"):
+            # a checker's failure renders as the learner's frames plus the report (checks/_common.CheckFailed)
+            parts.append(_ANSI.sub("", "\n".join(o.traceback)) + "\n")
         elif o.output_type == "error":
             parts.append(f"{o.ename}: {o.evalue}\n")
         elif "data" in o and "text/plain" in o.data:

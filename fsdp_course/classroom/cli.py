@@ -40,15 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
         "grade", help="grade a folder of submitted exercise notebooks",
         description="Grade SUBMISSIONS/<student>/<NN_topic>.ipynb with nbgrader's preprocessors: the instructor's "
                     "checker cells are restored, each notebook runs in a fresh kernel in a temporary folder with a "
-                    "time limit. WARNING: this runs the students' code with your permissions; grade untrusted "
-                    "submissions inside a container or a VM.",
+                    "time limit; the checker cells use the grader's own copy of the checks, and a notebook that "
+                    "touches the checking machinery is flagged in the feedback and the CSV's notes. WARNING: this "
+                    "runs the students' code with your permissions; grade untrusted submissions inside a container "
+                    "or a VM.",
         epilog="Exit status: 0 every notebook graded; 1 the grader failed on some (rows with status grader-error: "
                "grade them again); 2 bad input, nothing graded; 130 (Ctrl-C) or 143 (SIGTERM) stopped: the CSV "
                "holds the rows graded so far, the others have status partial.")
     grade.add_argument("submissions", type=Path, help="a folder with one folder per student")
     grade.add_argument("--out", type=Path, required=True, help="the CSV to write (one row per student)")
     grade.add_argument("--feedback", type=Path, default=None,
-                       help="folder for one feedback file per student (default: <out>_feedback beside the CSV)")
+                       help="folder for the feedback, STUDENT.txt and STUDENT.html per student (default: "
+                            "<out>_feedback beside the CSV)")
     grade.add_argument("--solutions", type=Path, default=None, help="the instructor's notebooks (default: solutions/)")
     grade.add_argument("--timeout", type=_positive(float), default=180.0,
                        help="seconds for all cells of one notebook (default 180)")

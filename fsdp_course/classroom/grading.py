@@ -21,8 +21,17 @@ What happens (see autograde.py for each nbgrader preprocessor):
    a sandbox folder made for this notebook alone; the worker's result comes back through a pipe. When the
    notebook ends, every process it started is killed (also those in a new session); past --timeout plus
    a grace period, or on Ctrl-C / SIGTERM, the grader kills the worker and all below it;
-3. one CSV row per student (score per exercise, total, status) and one feedback file per student
-   (what passed, what failed with the checker's report, what was restored or went wrong).
+3. one CSV row per student (score per exercise, total, status) and two feedback files per student:
+   STUDENT.txt (what passed, what failed with the checker's report, what was restored or went wrong, what was
+   flagged) and STUDENT.html (the same summary, then each graded notebook as nbgrader's generate_feedback renders
+   it: its cells, outputs and the score of each checker cell).
+
+Gaming the checks (see autograde.py): the checker cells call the grader's own private copy of the checks, so
+rebinding `check_*` names, module attributes or sys.modules entries changes nothing; a checker cell that finds
+what the checks rely on modified (the course's modules, torch's namespaces, builtins, IPython's exception
+handling and input transformers) fails, and so does one that did not run to its end. Every such attempt, and
+each student cell whose source touches the checking machinery, is FLAGGED in the feedback and in the CSV's notes
+for the instructor; the flags do not change a score by themselves.
 
 Status of a notebook, and of a student (the worst of their notebooks): `ok` (it ran; checks may have
 failed), `error` (a cell outside the checks raised, or the kernel died), `timeout` (the time limit
@@ -36,15 +45,18 @@ graded so far, the others marked `partial`.
 
 Grading runs the students' code with your permissions. The isolation is a separate process, a
 temporary directory, a time limit and no grader file that a notebook's paths or environment name,
-nothing more: a notebook can still search the whole file system. Grade untrusted submissions inside a
-container or a virtual machine.
+nothing more: a notebook can still search the whole file system, and patch torch or the kernel deeply enough
+that no check in the same process can see it. Grade untrusted submissions inside a container or a virtual
+machine.
 """
 
 from __future__ import annotations
 
 import csv
+import html
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -56,7 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STATUSES", "InputError", "StudentGrades", "discover", "grade", "run"]
+__all__ = ["STATUSES", "InputError", "StudentGrades", "discover", "feedback_page", "grade", "run"]
 
 STATUSES = ("ok", "error", "timeout", "invalid", "grader-error", "partial")  # from best to worst
 STARTUP_GRACE = 90.0  # seconds a worker may take beyond --timeout (imports, kernel start, gradebook)
@@ -77,6 +89,11 @@ class StudentGrades:
     def score(self, exercise: str) -> float:
         result = self.results.get(exercise)
         return sum(c["score"] for c in result["checks"]) if result else 0.0
+
+    @property
+    def flagged(self) -> bool:
+        """Some notebook of this student touched the checking machinery (see the results' "flags")."""
+        return any(r and r.get("flags") for r in self.results.values())
 
     @property
     def status(self) -> str:
@@ -236,6 +253,7 @@ def grade(submissions: Path, out: Path, *, solutions: Path, feedback: Path | Non
     work = [(student, ex, path) for student, notebooks in found.items() for ex, path in notebooks.items()]
     log(f"grading {len(work)} notebooks of {len(found)} students, {jobs} at a time, {timeout:g} s each at most")
     results: dict[tuple[str, str], dict[str, Any]] = {}
+    style = ""
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = {}
         for student, ex, path in work:
@@ -248,16 +266,25 @@ def grade(submissions: Path, out: Path, *, solutions: Path, feedback: Path | Non
                 result = future.result()
             except Exception as exc:  # noqa: BLE001  (a grader bug: this notebook's row only, and the exit status)
                 result = _unfinished(ex, "grader-error", f"grading failed: {type(exc).__name__}: {exc}")
+            if result.get("html"):
+                head, result["html"] = split_html(result["html"])
+                style = style or head  # every page has nbgrader's same stylesheet: kept once
             results[student, ex] = result
             if result["status"] != "partial":
                 score = sum(c["score"] for c in result["checks"])
-                log(f"  {student}/{ex}: {score:g} / {max_scores[ex]:g} {result['status']}")
+                flagged = " FLAGGED" if result.get("flags") else ""
+                log(f"  {student}/{ex}: {score:g} / {max_scores[ex]:g} {result['status']}{flagged}")
     graded = [StudentGrades(s, {ex: results.get((s, ex)) for ex in exercises}, ignored[s]) for s in found]
     write_csv(out, graded, exercises, max_scores)
     feedback.mkdir(parents=True, exist_ok=True)
     for g in graded:
-        (feedback / f"{g.student}.txt").write_text(feedback_text(g, exercises, max_scores, timeout), encoding="utf-8")
-    log(f"wrote {out} ({len(graded)} students) and {len(graded)} feedback files in {feedback}/")
+        text = feedback_text(g, exercises, max_scores, timeout)
+        (feedback / f"{g.student}.txt").write_text(text, encoding="utf-8")
+        (feedback / f"{g.student}.html").write_text(feedback_page(g, exercises, text, style), encoding="utf-8")
+    flagged = sorted(g.student for g in graded if g.flagged)
+    if flagged:
+        log(f"FLAGGED (their notebooks touched the checking machinery; see their feedback): {', '.join(flagged)}")
+    log(f"wrote {out} ({len(graded)} students) and {len(graded)} feedback files (.txt and .html) in {feedback}/")
     return graded
 
 
@@ -270,6 +297,8 @@ def write_csv(out: Path, graded: list[StudentGrades], exercises: list[str], max_
         for g in sorted(graded, key=lambda g: g.student):
             notes = [f"{ex}: missing" if g.results[ex] is None else f"{ex}: {g.results[ex]['status']}"
                      for ex in exercises if g.results[ex] is None or g.results[ex]["status"] != "ok"]
+            notes += [f"{ex}: FLAGGED: {'; '.join(result['flags'])}" for ex, result in g.results.items()
+                      if result and result.get("flags")]
             if not any(g.results.values()):
                 notes = ["no exercise notebook found"]
             scores = [g.score(ex) for ex in exercises]
@@ -290,6 +319,7 @@ def feedback_text(g: StudentGrades, exercises: list[str], max_scores: dict[str, 
             continue
         lines.append(f"## {ex}: {g.score(ex):g} / {max_scores[ex]:g}, {result['status']}")
         lines += [f"  note: {note}" for note in result.get("notes", [])]
+        lines += [f"  FLAGGED for the instructor: {flag}" for flag in result.get("flags", [])]
         for check in result["checks"]:
             passed = check["score"] >= check["max_score"]
             lines.append(f"  [{'pass' if passed else 'FAIL'}] {check['grade_id']} "
@@ -306,6 +336,28 @@ def feedback_text(g: StudentGrades, exercises: list[str], max_scores: dict[str, 
     if g.ignored:
         lines.append("ignored files: " + "; ".join(g.ignored))
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def split_html(page: str) -> tuple[str, str]:
+    """An HTML page's <head> content and <body> content."""
+    head = re.search(r"<head[^>]*>(.*?)</head>", page, re.S | re.I)
+    body = re.search(r"<body[^>]*>(.*)</body>", page, re.S | re.I)
+    return (head.group(1) if head else ""), (body.group(1) if body else page)
+
+
+def feedback_page(g: StudentGrades, exercises: list[str], text: str, style: str) -> str:
+    """One HTML page per student: the text feedback (scores, each failed check's report, notes, flags), then each
+    graded notebook as nbgrader's generate_feedback shows it (its cells, outputs and per-cell scores)."""
+    parts = [f"<!DOCTYPE html>\n<html>\n<head>\n<meta charset=\"utf-8\">\n"
+             f"<title>Feedback for {html.escape(g.student)}</title>\n{style}\n</head>\n<body>",
+             f'<div class="container"><h1>Feedback for {html.escape(g.student)}</h1>',
+             f'<pre id="summary">{html.escape(text)}</pre>']
+    for ex in exercises:
+        result = g.results.get(ex)
+        if result and result.get("html"):
+            parts.append(f'<hr><h2 id="{html.escape(ex)}">{html.escape(ex)}</h2>\n{result["html"]}')
+    parts.append("</div></body>\n</html>\n")
+    return "\n".join(parts)
 
 
 def run(args: Any) -> int:
