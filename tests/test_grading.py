@@ -512,3 +512,14 @@ def test_kill_tree_finds_a_process_whose_name_is_not_utf8() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_default_solutions_are_the_checkouts_from_any_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    """Run from another folder, `fsdp-course grade` finds the solutions beside the package (an -e checkout)."""
+    from fsdp_course.classroom.cli import default_solutions
+
+    monkeypatch.chdir(tmp_path)
+    found = default_solutions()
+    assert found.is_dir() and any(found.glob("*.ipynb")), found
+    assert found.resolve() == (Path(__file__).resolve().parents[1] / "solutions")
