@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -182,6 +183,28 @@ def _is_flat(value: Any, h: FlatParamHandle) -> bool:
     return isinstance(value, torch.Tensor) and value.shape == h.shard.shape
 
 
+def _per_param_state(h: FlatParamHandle, flat_state: dict[str, Any],
+                     cut_flat: Callable[[torch.Tensor], list[Any]]) -> dict[str, dict[str, Any]]:
+    """One flat parameter's optimizer state as {fqn: {key: value}}: a state tensor laid out like the flat shard is cut
+    by `cut_flat` into one value per parameter, a scalar (`step`) copied to each; parameters with no state are left
+    out."""
+    per_param: list[dict[str, Any]] = [{} for _ in h.layout.infos]
+    for key in sorted(flat_state):
+        value = flat_state[key]
+        cut = cut_flat(value) if _is_flat(value, h) else [
+            value.clone() if isinstance(value, torch.Tensor) else value for _ in h.layout.infos]
+        for d, v in zip(per_param, cut, strict=True):
+            d[key] = v
+    return {info.name: d for info, d in zip(h.layout.infos, per_param, strict=True) if d}
+
+
+def _param_groups(optimizer: torch.optim.Optimizer, handles: dict[int, FlatParamHandle]) -> list[dict[str, Any]]:
+    """The optimizer's param_groups with each flat shard replaced by the names of the parameters it holds."""
+    return [{**{k: v for k, v in g.items() if k != "params"},
+             "params": [i.name for p in g["params"] for i in handles[id(p)].layout.infos]}
+            for g in optimizer.param_groups]
+
+
 @torch.no_grad()
 def optimizer_state_dict(fsdp: FSDP, optimizer: torch.optim.Optimizer,
                          mesh: DeviceMesh | None = None) -> dict[str, Any]:
@@ -196,20 +219,8 @@ def optimizer_state_dict(fsdp: FSDP, optimizer: torch.optim.Optimizer,
     state: dict[str, dict[str, Any]] = {}
     for h in fsdp.handles:  # every rank in the same order: the gathers are collectives
         flat_state = optimizer.state.get(h.shard, {}) if id(h.shard) in held else {}
-        per_param: list[dict[str, Any]] = [{} for _ in h.layout.infos]
-        for key in sorted(flat_state):
-            value = flat_state[key]
-            cut = _cut(fsdp, h, value, mesh) if _is_flat(value, h) else [
-                value.clone() if isinstance(value, torch.Tensor) else value for _ in h.layout.infos]
-            for d, v in zip(per_param, cut, strict=True):
-                d[key] = v
-        for info, d in zip(h.layout.infos, per_param, strict=True):
-            if d:
-                state[info.name] = d
-    groups = []
-    for g in optimizer.param_groups:
-        names = [info.name for p in g["params"] for info in handles[id(p)].layout.infos]
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+        state.update(_per_param_state(h, flat_state, lambda value, h=h: _cut(fsdp, h, value, mesh)))
+    groups = _param_groups(optimizer, handles)
     return {"state": state, "param_groups": groups}
 
 
@@ -384,20 +395,9 @@ def _target(fsdp: FSDP, optimizer: torch.optim.Optimizer | None, mesh: DeviceMes
     state: dict[str, dict[str, Any]] = {}
     for g in optimizer.param_groups:
         for p in g["params"]:
-            h, flat_state = handles[id(p)], optimizer.state.get(p, {})
-            per_param: list[dict[str, Any]] = [{} for _ in h.layout.infos]
-            for key in sorted(flat_state):
-                value = flat_state[key]
-                cut = empty_like(h, value) if _is_flat(value, h) else [
-                    value.clone() if isinstance(value, torch.Tensor) else value for _ in h.layout.infos]
-                for d, v in zip(per_param, cut, strict=True):
-                    d[key] = v
-            for info, d in zip(h.layout.infos, per_param, strict=True):
-                if d:
-                    state[info.name] = d
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [i.name for p in g["params"] for i in handles[id(p)].layout.infos]}
-              for g in optimizer.param_groups]
+            h = handles[id(p)]
+            state.update(_per_param_state(h, optimizer.state.get(p, {}), lambda value, h=h: empty_like(h, value)))
+    groups = _param_groups(optimizer, handles)
     target[OPTIM_KEY] = {"state": state, "param_groups": groups}
     return target
 
