@@ -32,7 +32,8 @@ def test_a_rank_stuck_outside_torch_cannot_hang_run_ranks() -> None:
     finally:
         release.set()  # let the daemon thread end: nothing outlives the test
     bound = 1 + _grace(1)
-    assert elapsed < bound + 2, f"run_ranks took {elapsed:.1f} s, bound {bound:g} s"
+    # it returns at all (a hang is forever); the 30 s margin is for a loaded machine, not a promise of speed
+    assert elapsed < bound + 30, f"run_ranks took {elapsed:.1f} s, bound {bound:g} s"
     err = info.value
     assert sorted(err.failures) == [0, 1]
     assert "barrier #1: rank(s) 1 never joined it" in str(err.failures[0])
@@ -56,7 +57,7 @@ def test_a_rank_that_never_ends_after_its_peers_finished_is_reported() -> None:
             run_ranks(fn, 2, timeout=0.5)
     finally:
         release.set()
-    assert time.monotonic() - start < _grace(0.5) + 2
+    assert time.monotonic() - start < _grace(0.5) + 30  # returns at all; margin for a loaded machine
     assert list(info.value.failures) == [1]
 
 
@@ -168,7 +169,7 @@ def test_every_rank_sending_first_is_named_a_deadlock() -> None:
     start = time.monotonic()
     with pytest.raises(RankError) as info:
         run_ranks(everyone_sends_first, 3, timeout=1)
-    assert time.monotonic() - start < 1 + _grace(1) + 2
+    assert time.monotonic() - start < 1 + _grace(1) + 30  # returns at all; margin for a loaded machine
     text = str(info.value)
     assert "deadlock: every rank waits in send while no rank receives" in text
     assert "rank 2: waiting in send to rank 0 (tag 0, shape (1048576,), float32)" in text

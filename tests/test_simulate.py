@@ -82,7 +82,7 @@ def test_a_failing_rank_is_named_with_type_message_and_traceback_and_releases_pe
 
     start = time.monotonic()
     with pytest.raises(RankError) as info:
-        run_ranks(fn, 4, timeout=20)
+        run_ranks(fn, 4, timeout=120)
     elapsed = time.monotonic() - start
     err = info.value
     assert str(err) == "rank 2 failed with ValueError: bad shard on purpose"
@@ -90,7 +90,8 @@ def test_a_failing_rank_is_named_with_type_message_and_traceback_and_releases_pe
     assert "raise ValueError" in err.tracebacks[2]
     assert any("traceback of rank 2" in note for note in err.__notes__)
     assert err.released == [0, 1, 3]
-    assert elapsed < 5, f"peers were not released promptly ({elapsed:.1f} s)"  # ... not for 20 s
+    # ... not for the 120 s timeout: released at once (half the timeout leaves room for a loaded machine)
+    assert elapsed < 60, f"peers were not released promptly ({elapsed:.1f} s)"
 
 
 def test_mismatched_collectives_are_reported_by_name() -> None:
@@ -130,8 +131,8 @@ def test_a_collective_a_peer_never_joins_reports_every_rank_state() -> None:
 
     start = time.monotonic()
     with pytest.raises(RankError) as info:
-        run_ranks(fn, 3, timeout=20)
-    assert time.monotonic() - start < 5
+        run_ranks(fn, 3, timeout=120)
+    assert time.monotonic() - start < 60  # reported at once, not after the 120 s timeout (room for a loaded machine)
     err = info.value
     assert list(err.failures) == [0] and isinstance(err.failures[0], CollectiveHang)
     text = str(err)
