@@ -16,7 +16,7 @@ NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=240 --nbval-sanitize-
 # MKL's CPU-independent code path, and one intra-op thread instead of one per core. nbval's kernels inherit them.
 PORTABLE_ENV := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1
 
-.PHONY: lab test test-portable notebooks exercises lint clean-venv
+.PHONY: lab test test-portable notebooks exercises translations lint clean-venv
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "No suitable Python found (looked for: $(PYTHON_CANDIDATES)). torch 2.13 needs" \
@@ -58,6 +58,11 @@ notebooks: $(DEV_STAMP)
 
 exercises: $(DEV_STAMP)
 	$(BIN)/python -m fsdp_course.classroom.exercises generate
+
+# Authors: the Chinese edition (lessons/zh/, exercises/zh/) from the English notebooks and i18n/zh/ catalogs;
+# figures are drawn again in Chinese where their English figure changed. `... translations status` lists what is due.
+translations: $(DEV_STAMP)
+	$(BIN)/python -m fsdp_course.classroom.translations build
 
 clean-venv:
 	rm -rf $(VENV)

@@ -52,3 +52,7 @@ __all__ = [
     "zero_formula",
 ]
 __version__ = "0.1.0"
+
+from fsdp_course import i18n as _i18n  # noqa: E402 (after the names it must not shadow)
+
+_i18n.activate()  # in a Chinese notebook's folder or with FSDP_COURSE_LANG=zh: figures in Chinese

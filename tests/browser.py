@@ -83,7 +83,11 @@ class CourseLab:
             for cell in nb.cells:
                 if cell.cell_type == "code":
                     cell.outputs, cell.execution_count = [], None
-            nbformat.write(nb, self.root / nb_path.name)
+            # a Chinese notebook keeps its folder (lessons/zh/): its kernel starts there, which makes it speak Chinese
+            dest = self.root / (Path(nb_path.parent.parent.name, "zh", nb_path.name) if nb_path.parent.name == "zh"
+                                else Path(nb_path.name))
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            nbformat.write(nb, dest)
         self.runtime = Path(tempfile.mkdtemp(prefix="fsdpr_"))
         self.port, self.token = free_port(0), secrets.token_hex(16)
         self.server: subprocess.Popen | None = None
@@ -163,6 +167,15 @@ class CourseLab:
             run.screenshot = screenshots / f"{Path(name).stem}.png"
             page.screenshot(path=str(run.screenshot), full_page=False)
         return run
+
+    def figure_sources(self) -> list[str]:
+        """The base64 PNG of every figure shown in the open notebook's outputs."""
+        return self.page.evaluate("""() => [...document.querySelectorAll('.jp-OutputArea-output img')]
+            .map(i => i.src).filter(s => s.startsWith('data:image/png;base64,'))
+            .map(s => s.slice('data:image/png;base64,'.length))""")
+
+    def page_text(self) -> str:
+        return self.page.evaluate("() => document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)').innerText")
 
     def move_slider(self, handle_selector: str, readout_selector: str, key: str = "ArrowRight",
                     timeout: float = 30) -> tuple[str, str]:

@@ -33,6 +33,9 @@ def lessons_to_run() -> list[Path]:
     return first + [p for p in widget_lessons() if p not in first]
 
 
+CHINESE_LESSON = ROOT / "lessons" / "zh" / "05_flat_param.ipynb"  # figures with text: the sharding plots
+
+
 def check_widget(lab: CourseLab, timeout: float = 30) -> list[str]:
     """Move the calculator's world-size slider with the keyboard; its readout and figure must change (within
     `timeout` seconds each: a working calculator answers in about one)."""
@@ -60,7 +63,8 @@ def check_widget(lab: CourseLab, timeout: float = 30) -> list[str]:
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("lab")
-    notebooks = lessons_to_run() + [widget_notebook(workdir, broken=False), widget_notebook(workdir, broken=True)]
+    notebooks = lessons_to_run() + [CHINESE_LESSON, widget_notebook(workdir, broken=False),
+                                    widget_notebook(workdir, broken=True)]
     try:  # a cold start (first JupyterLab build of its settings, a first kernel) may be slow: retry once
         with CourseLab(notebooks, workdir) as lab:
             yield lab
@@ -101,6 +105,21 @@ def test_lesson_runs_in_jupyterlab(lab: CourseLab, lesson: str) -> None:
     if "zero_calculator(" in (ROOT / "lessons" / lesson).read_text():
         assert check_widget(lab) == []
         lab.page.screenshot(path=str(SHOTS / f"{Path(lesson).stem}_widget.png"))  # the calculator, moved
+
+
+def test_a_chinese_lesson_runs_with_its_figures_in_chinese(lab: CourseLab) -> None:
+    name = f"lessons/zh/{CHINESE_LESSON.name}"
+    run = lab.run_all(name, screenshots=SHOTS / "zh")
+    assert run.problems() == []
+    assert run.png_outputs() > 0 and run.images() >= run.png_outputs()
+    chinese = nbformat.read(CHINESE_LESSON, as_version=4)
+    title = next(c.source for c in chinese.cells if c.cell_type == "markdown").splitlines()[0].lstrip("# ")
+    assert title in lab.page_text(), f"the Chinese title {title!r} is not on the page"
+    english = {o["data"]["image/png"] for c in nbformat.read(ROOT / "lessons" / CHINESE_LESSON.name, 4).cells
+               if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})}
+    shown = lab.figure_sources()
+    assert len(shown) == run.images()
+    assert not set(shown) & english, "a figure came out as the English lesson's: the kernel did not speak Chinese"
 
 
 def test_the_widget_check_passes_a_working_calculator(lab: CourseLab) -> None:

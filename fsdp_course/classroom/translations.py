@@ -105,7 +105,7 @@ def _dump(notebook: Path, cells: dict[str, dict[str, Any]], root: Path) -> str:
 
     Dumper.add_representer(_Block, block)
     body = {"notebook": Path(notebook).resolve().relative_to(root).as_posix(),
-            "cells": {k: {**{kk: (_Block(vv) if kk == "zh" else vv) for kk, vv in v.items()}} for k, v in cells.items()}}
+            "cells": {k: {kk: (_Block(vv) if kk == "zh" else vv) for kk, vv in v.items()} for k, v in cells.items()}}
     header = ("# Chinese text of the notebook's markdown cells, keyed by cell id. sha: what `sha` gives for the\n"
               "# English source this translates. Written by `python -m fsdp_course.classroom.translations template`.\n")
     return header + yaml.dump(body, Dumper=Dumper, allow_unicode=True, sort_keys=False, width=10_000)

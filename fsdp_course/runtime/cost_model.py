@@ -104,7 +104,8 @@ class CostFit:
 
 
 def fit(samples: Iterable[Sample]) -> CostFit:
-    """Least squares of seconds = steps α + bytes β over the samples (no intercept: a call of no steps is free)."""
+    """Least squares of seconds = steps α + bytes β over the samples, with α, β ≥ 0 (no intercept: a call of no
+    steps is free)."""
     samples = list(samples)
     if not samples:
         raise ValueError("fit needs timed samples: got none (time some with time_collectives)")
@@ -114,7 +115,9 @@ def fit(samples: Iterable[Sample]) -> CostFit:
     if np.linalg.matrix_rank(x / np.where(scale > 0, scale, 1.0)) < 2:
         raise ValueError("fit needs samples that separate latency from bandwidth: time at least two payload "
                          "sizes (or two world sizes) with bytes > 0")
-    solution, *_ = np.linalg.lstsq(x / scale, y, rcond=None)
+    from scipy.optimize import nnls  # scikit-learn's dependency: neither cost can be negative, even on a busy machine
+
+    solution, _ = nnls(x / scale, y)
     alpha, beta = (float(v) for v in solution / scale)
     predicted = x @ np.array([alpha, beta])
     residual = y - predicted

@@ -36,6 +36,7 @@ from typing import Any, NoReturn, TextIO
 import torch
 
 from fsdp_course.fsdp.flat_param import padded_numel
+from fsdp_course.i18n import hint_zh, language
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.monitor import CollectiveHang, CollectiveMismatch
 from fsdp_course.runtime.simulate import RankError, run_ranks
@@ -61,9 +62,19 @@ class CheckFailure:
     details: list[str] = field(default_factory=list)  # tensors, differences, traceback lines
 
     def report(self) -> str:
+        """The report a learner reads. In Chinese (`fsdp_course.i18n.language()`), the problem and the hint are
+        followed by their Chinese where `fsdp_course/i18n/zh.py` has it; the English stays (it is what one
+        searches for)."""
+        chinese = language() == "zh"
+        problem_zh = hint_zh(self.problem) if chinese else None
         lines = [f"{self.check} FAILED at {self.where}", f"  {self.problem}"]
+        if problem_zh:
+            lines.append(f"  问题：{problem_zh}")
         lines += [f"  {line}" for line in self.details]
         lines.append(f"  hint: {self.hint}")
+        zh = hint_zh(self.hint) if chinese else None
+        if zh:
+            lines.append(f"  提示：{zh}")
         return "\n".join(lines)
 
     def summary(self) -> str:

@@ -1,0 +1,239 @@
+"""The Chinese edition stays in step with the English one: catalogs, generated notebooks, figures, language choice.
+
+The first test is the one an author meets: it fails when an English markdown cell changed since it was translated,
+when a cell has no translation, or when a Chinese notebook is missing or out of date, and says what to run. The
+rest check the machinery on a small course made in a temporary folder, and `fsdp_course.i18n` (which language,
+figure text translated at draw time, the CJK font and its fallback).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import matplotlib
+import nbformat
+import pytest
+
+from fsdp_course import i18n
+from fsdp_course.classroom import translations as tr
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG = "image/png"
+
+
+def test_the_chinese_edition_is_in_step_with_the_english_one() -> None:
+    problems = tr.status(ROOT)
+    assert not problems, "\n".join(map(str, problems[:20])) + f"\n({len(problems)} in all)"
+
+
+def test_every_notebook_has_a_chinese_twin_with_the_same_code_and_outputs() -> None:
+    english = tr.english_notebooks(ROOT)
+    assert len(english) >= 36
+    for path in english:
+        en, zh = nbformat.read(path, 4), nbformat.read(tr.target_path(path), 4)
+        assert [c.id for c in en.cells] == [c.id for c in zh.cells], path.name
+        for a, b in zip(en.cells, zh.cells, strict=True):
+            if a.cell_type == "code":
+                assert a.source == b.source, f"{path.name} [{a.id}]: code cells are never translated"
+                assert [o.get("output_type") for o in a.outputs] == [o.get("output_type") for o in b.outputs]
+            else:
+                assert b.source and (a.source != b.source or a.cell_type != "markdown"
+                                     or tr.load_catalog(tr.catalog_path(path, ROOT))[a.id].get("same")), a.id
+        markdown = "".join(c.source for c in zh.cells if c.cell_type == "markdown")
+        assert sum("\u4e00" <= ch <= "\u9fff" for ch in markdown) > 0.2 * len(markdown.split()), \
+            f"{path.name}: the markdown of the Chinese notebook is not mostly Chinese"
+
+
+def test_the_figures_of_a_chinese_lesson_are_its_own() -> None:
+    redrawn = 0
+    for path in tr.english_notebooks(ROOT):
+        en, zh = nbformat.read(path, 4), nbformat.read(tr.target_path(path), 4)
+        for a, b in zip(en.cells, zh.cells, strict=True):
+            pairs = zip(a.get("outputs", []), b.get("outputs", []), strict=True)
+            pictures = [(x["data"][PNG], y["data"][PNG]) for x, y in pairs if PNG in x.get("data", {})]
+            for english_png, chinese_png in pictures:
+                assert english_png != chinese_png, f"{path.name} [{a.id}]: the figure was not drawn again in Chinese"
+                redrawn += 1
+    assert redrawn >= 20
+
+
+# --- the machinery, on a course of one lesson in a temporary folder ---------------------------------------------------
+
+def _course(tmp_path: Path) -> Path:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# 01 · Sharding\n\nSee [the next lesson](02_next.ipynb).", id="m1"),
+                nbformat.v4.new_code_cell("print(1 + 1)", id="c1",
+                                          outputs=[nbformat.v4.new_output("stream", name="stdout", text="2\n")]),
+                nbformat.v4.new_markdown_cell("Every rank keeps one chunk.", id="m2")]
+    (tmp_path / "lessons").mkdir()
+    (tmp_path / "exercises").mkdir()
+    nbformat.write(nb, tmp_path / "lessons" / "01_sharding.ipynb")
+    return tmp_path / "lessons" / "01_sharding.ipynb"
+
+
+def _translate(catalog: Path, mapping: dict[str, str]) -> None:
+    import yaml
+
+    data = yaml.safe_load(catalog.read_text(encoding="utf-8"))
+    for cell_id, zh in mapping.items():
+        data["cells"][cell_id]["zh"] = zh
+    catalog.write_text(yaml.safe_dump(data, allow_unicode=True, sort_keys=False), encoding="utf-8")
+
+
+def _whats(root: Path) -> list[str]:
+    return [p.what.split(":")[0] for p in tr.status(root)]
+
+
+def test_status_names_each_kind_of_problem_and_build_fixes_what_it_can(tmp_path: Path) -> None:
+    lesson = _course(tmp_path)
+    assert _whats(tmp_path) == ["missing catalog"]
+    catalog = tr.template(lesson, tmp_path)
+    assert catalog == tmp_path / "i18n" / "zh" / "lessons" / "01_sharding.yml"
+    assert _whats(tmp_path) == ["untranslated", "untranslated"]  # the template holds the English, to be replaced
+    _translate(catalog, {"m1": "# 01 · 分片\n\n见[下一课](02_next.ipynb)。", "m2": "每个 rank 保存一块。"})
+    assert _whats(tmp_path) == ["broken link '02_next.ipynb' (seen from zh/)"]
+    (tmp_path / "lessons" / "zh").mkdir()
+    nbformat.write(nbformat.v4.new_notebook(), tmp_path / "lessons" / "zh" / "02_next.ipynb")
+    assert _whats(tmp_path) == ["missing", "has no English notebook"]
+    (tmp_path / "lessons" / "zh" / "02_next.ipynb").unlink()
+    _translate(catalog, {"m1": "# 01 · 分片\n\n见 [README](../../README.md)。"})
+    (tmp_path / "README.md").write_text("x")
+    assert _whats(tmp_path) == ["missing"]
+
+    tr.build_all(tmp_path, log=lambda _: None)
+    assert tr.status(tmp_path) == []
+    zh = nbformat.read(tmp_path / "lessons" / "zh" / "01_sharding.ipynb", 4)
+    assert [c.source for c in zh.cells] == ["# 01 · 分片\n\n见 [README](../../README.md)。", "print(1 + 1)",
+                                            "每个 rank 保存一块。"]
+    assert zh.cells[1].outputs[0]["text"] == "2\n"
+
+    en = nbformat.read(lesson, 4)  # the author edits the English: the translation is stale until brought in step
+    en.cells[2].source = "Every rank keeps one chunk of the flat parameter."
+    en.cells.insert(1, nbformat.v4.new_markdown_cell("A new paragraph.", id="m0"))
+    nbformat.write(en, lesson)
+    problems = tr.status(tmp_path)
+    assert [(p.cell, p.what.split(":")[0]) for p in problems] == [("m0", "no translation"), ("m2", "stale")]
+    assert tr.sha(en.cells[3].source) in problems[1].fix  # the new sha to record
+    with pytest.raises(ValueError, match="stale"):
+        tr.build(lesson, tmp_path, log=lambda _: None)
+    tr.template(lesson, tmp_path)
+    import yaml
+
+    data = yaml.safe_load(catalog.read_text(encoding="utf-8"))
+    assert list(data["cells"]) == ["m1", "m0", "m2"]  # in the notebook's order; the stale entry kept as it was
+    data["cells"]["m2"] = {"sha": tr.sha(en.cells[3].source), "zh": "每个 rank 保存展平参数的一块。"}
+    data["cells"]["m0"]["zh"] = "新的一段。"
+    data["cells"]["gone"] = {"sha": "0" * 12, "zh": "旧的"}
+    catalog.write_text(yaml.safe_dump(data, allow_unicode=True), encoding="utf-8")
+    assert _whats(tmp_path) == ["orphan"]
+    del data["cells"]["gone"]
+    catalog.write_text(yaml.safe_dump(data, allow_unicode=True), encoding="utf-8")
+    assert _whats(tmp_path) == ["out of date with its English notebook or catalog"]
+    tr.build_all(tmp_path, log=lambda _: None)
+    assert tr.status(tmp_path) == []
+
+
+def test_a_bad_catalog_is_named(tmp_path: Path) -> None:
+    lesson = _course(tmp_path)
+    catalog = tr.catalog_path(lesson, tmp_path)
+    catalog.parent.mkdir(parents=True)
+    catalog.write_text("cells:\n  m1: [not, a, mapping\n", encoding="utf-8")
+    (problem,) = tr.status(tmp_path)
+    assert problem.what == "unreadable" and "not valid YAML" in problem.fix
+    catalog.write_text("cells:\n  m1:\n    zh: no sha\n", encoding="utf-8")
+    (problem,) = tr.status(tmp_path)
+    assert "entry 'm1' needs `sha:`" in problem.fix
+    with pytest.raises(SystemExit):  # argparse's error: "not an English notebook (e.g. lessons/03_memory.ipynb)"
+        tr.main(["template", str(tmp_path / "nope.ipynb")])
+
+
+def test_a_figure_is_drawn_again_in_chinese_and_only_when_its_english_changed(tmp_path: Path) -> None:
+    lesson = _course(tmp_path)
+    nb = nbformat.read(lesson, 4)
+    nb.cells.append(nbformat.v4.new_code_cell(
+        "import matplotlib.pyplot as plt\nimport fsdp_course\nfig, ax = plt.subplots()\nax.plot([1, 2])\n"
+        "ax.set_xlabel('world size N')\nplt.show()", id="fig"))
+    nbformat.write(nb, lesson)
+    from fsdp_course.classroom.notebooks import run_notebook
+
+    run_notebook(lesson)  # the English figure
+    tr.template(lesson, tmp_path)
+    _translate(tr.catalog_path(lesson, tmp_path), {"m1": "# 01 · 分片", "m2": "每个 rank 保存一块。"})
+    logs: list[str] = []
+    tr.build_all(tmp_path, log=logs.append)
+    assert any("re-drawing 1 figure cell(s)" in line for line in logs)
+    english = nbformat.read(lesson, 4).cells[-1].outputs
+    chinese = nbformat.read(tr.target_path(lesson), 4).cells[-1].outputs
+    png = [o["data"]["image/png"] for o in english if "image/png" in o.get("data", {})]
+    png_zh = [o["data"]["image/png"] for o in chinese if "image/png" in o.get("data", {})]
+    assert len(png) == len(png_zh) == 1 and png != png_zh
+    assert tr.status(tmp_path) == []
+    logs.clear()
+    tr.build_all(tmp_path, log=logs.append)  # nothing changed: nothing re-drawn, nothing written
+    assert logs == []
+
+
+# --- fsdp_course.i18n ------------------------------------------------------------------------------------------------
+
+def test_the_language_comes_from_the_variable_or_the_notebook_folder(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FSDP_COURSE_LANG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert i18n.language() == "en"
+    (tmp_path / "lessons" / "zh").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "lessons" / "zh")
+    assert i18n.language() == "zh"
+    monkeypatch.setenv("FSDP_COURSE_LANG", "en")
+    assert i18n.language() == "en"
+    monkeypatch.chdir(tmp_path)
+    for value, lang in [("zh", "zh"), ("zh_CN", "zh"), ("zh-CN.UTF-8", "zh"), ("EN", "en")]:
+        monkeypatch.setenv("FSDP_COURSE_LANG", value)
+        assert i18n.language() == lang
+    monkeypatch.setenv("FSDP_COURSE_LANG", "fr")
+    with pytest.warns(UserWarning, match="not a language of the course"):
+        i18n._warned.clear()
+        assert i18n.language() == "en"
+
+
+def test_figure_text_is_translated_when_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(i18n, "_installed", False)
+    monkeypatch.setattr(matplotlib.figure.Figure, "draw", matplotlib.figure.Figure.draw)  # undone after the test
+    monkeypatch.setitem(matplotlib.rcParams, "font.sans-serif", list(matplotlib.rcParams["font.sans-serif"]))
+    if i18n.cjk_font() is None:
+        pytest.skip("no CJK font on this machine: see test_without_a_cjk_font_figures_stay_english")
+    assert i18n.use_chinese_figures()
+    fig, ax = plt.subplots()
+    ax.set_xlabel("world size N")
+    ax.set_ylabel("a label no catalog knows")
+    fig.canvas.draw()
+    assert ax.get_xlabel() == i18n.translate("world size N") and ax.get_xlabel() != "world size N"
+    assert ax.get_ylabel() == "a label no catalog knows"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "Glyph missing from font" for the Chinese
+        fig.canvas.draw()
+    plt.close(fig)
+
+
+def test_without_a_cjk_font_figures_stay_english(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(i18n, "_installed", False)
+    monkeypatch.setattr(i18n, "cjk_font", lambda: None)
+    i18n._warned.clear()
+    with pytest.warns(UserWarning, match="no Chinese font found.*fonts-noto-cjk"):
+        assert i18n.use_chinese_figures() is False
+
+
+def test_every_figure_pattern_compiles_and_its_template_expands() -> None:
+    import re
+
+    from fsdp_course.i18n import zh
+
+    assert zh.TEXT and zh.PATTERNS
+    for pattern, template in zh.PATTERNS:
+        groups = re.compile(pattern).groups
+        used = [int(d) for d in re.findall(r"\\(\d)", template)]
+        assert max(used, default=0) <= groups, f"{pattern!r}: the template uses a group the pattern lacks"
+    assert all(v.strip() for v in zh.TEXT.values())
