@@ -120,7 +120,8 @@ def cjk_font() -> str | None:
 
 
 def _has_letters(text: str) -> bool:
-    return bool(re.search(r"[A-Za-z]{2}", text))
+    """Text worth translating: two Latin letters in a row, outside a mathtext tick label such as `$2^{3}$`."""
+    return not (text.startswith("$") and text.endswith("$")) and bool(re.search(r"[A-Za-z]{2}", text))
 
 
 def _missing(text: str) -> None:
