@@ -149,6 +149,13 @@ class Problem:
 _LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 
 
+def _resolves(path: Path) -> bool:
+    """A link from a Chinese notebook resolves: to a file, or to a Chinese notebook that the build will write."""
+    path = path.resolve()
+    return path.exists() or (path.parent.name == LANG and path.suffix == ".ipynb"
+                             and (path.parent.parent / path.name).exists())
+
+
 def _translated(nb: Any, catalog: dict[str, dict[str, Any]]) -> Any:
     out = copy.deepcopy(nb)
     for cell in _markdown(out):
@@ -205,7 +212,7 @@ def _notebook_problems(notebook: Path, root: Path) -> list[Problem]:
             for link in _LINK.findall(entry["zh"]):
                 if "://" in link or link.startswith("mailto:"):
                     continue
-                if not (target_path(notebook).parent / link).exists():
+                if not _resolves(target_path(notebook).parent / link):
                     problems.append(Problem(rel_cat, cell.id, f"broken link {link!r} (seen from {LANG}/)",
                                             "a link to another lesson stays a sibling (`04_zero.ipynb`); one "
                                             "outside the folder needs one more `../`"))
