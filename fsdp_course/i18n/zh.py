@@ -58,6 +58,8 @@ TEXT: dict[str, str] = {
     "loss (one process, batch of 64)": "损失（单进程，批大小 64）", "step": "步", "training loss": "训练损失",
     "no positions, post-norm": "无位置编码，post-norm", "no positions, pre-norm": "无位置编码，pre-norm",
     "positions, post-norm": "有位置编码，post-norm", "positions, pre-norm": "有位置编码，pre-norm",
+    "the same pixels, scrambled": "同样的像素，打乱顺序", "after step": "优化器更新之后",
+    "comm": "通信", "compute": "计算",
     "positions × pre-norm: the article's model (red), each fix alone, both (blue)":
         "位置编码 × pre-norm：文章的模型（红），各自单独修复，两者同时（蓝）",
 }
@@ -75,6 +77,13 @@ PATTERNS: list[tuple[str, str]] = [
     (r"[\d.,]+ (B|KiB|MiB|GiB|TiB)", r"\g<0>"),
     (r"[\w.]*(weight|bias)( \([\d, ]*\))?", r"\g<0>"),  # a parameter's name (and shape)
     (r"(forward|pre_backward|post_backward): .+", r"\g<0>"),  # an FSDP event: phase, action, unit
+    (r"(encoder\.)?layers\.\d+|root", r"\g<0>"),  # a unit's name
+    (r"wrap=.*", r"\g<0>"),
+    # lessons 09-13
+    (r"(FSDP\(.*\)), (\d+) ranks, step (\d+)", r"\1，\2 个 rank，第 \3 步"),
+    (r"Rank (\d+) of (\d+), one step: one unit vs one unit per layer", r"rank \1（共 \2 个），一步：一个单元 vs 每层一个单元"),
+    (r"a test digit \(label (\d+)\)", r"一张测试数字图（标签 \1）"),
+    (r"no positions: (\d+)   positions: (\d+)", r"无位置编码：\1   有位置编码：\2"),
     # lessons 02-07
     (r"(DDP|FSDP|ZeRO-\d) formula", r"\1 公式"),
     (r"(DDP|FSDP|ZeRO-\d) measured", r"\1 实测"),
