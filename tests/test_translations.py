@@ -201,20 +201,30 @@ def test_the_language_comes_from_the_variable_or_the_notebook_folder(tmp_path: P
 
 def test_figure_text_is_translated_when_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(i18n, "_installed", False)
-    monkeypatch.setattr(matplotlib.figure.Figure, "draw", matplotlib.figure.Figure.draw)  # undone after the test
-    monkeypatch.setitem(matplotlib.rcParams, "font.sans-serif", list(matplotlib.rcParams["font.sans-serif"]))
+    monkeypatch.setattr(matplotlib.text.Text, "draw", matplotlib.text.Text.draw)  # undone after the test
+    monkeypatch.setitem(matplotlib.rcParams, "font.family", list(matplotlib.rcParams["font.family"]))
     if i18n.cjk_font() is None:
         pytest.skip("no CJK font on this machine: see test_without_a_cjk_font_figures_stay_english")
     assert i18n.use_chinese_figures()
+    translating, drawn = matplotlib.text.Text.draw, []
+
+    def record(self: matplotlib.text.Text, renderer: object) -> object:  # what each text reads as it is drawn
+        out = translating(self, renderer)
+        drawn.append(self.get_text())
+        return out
+
+    matplotlib.text.Text.draw = record
     fig, ax = plt.subplots()
     ax.set_xlabel("world size N")
     ax.set_ylabel("a label no catalog knows")
-    fig.canvas.draw()
+    ax.set_yticks([0, 1], ["owner rank", "parameters"])  # tick labels are made again at each draw
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "Glyph ... missing from font(s)": the CJK font takes the Chinese
+        fig.canvas.draw()
     assert ax.get_xlabel() == i18n.translate("world size N") and ax.get_xlabel() != "world size N"
     assert ax.get_ylabel() == "a label no catalog knows"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "Glyph missing from font" for the Chinese
-        fig.canvas.draw()
+    assert {i18n.translate("owner rank"), i18n.translate("parameters"), ax.get_xlabel()} <= set(drawn)
+    assert not {"owner rank", "parameters", "world size N"} & set(drawn)
     plt.close(fig)
 
 

@@ -111,11 +111,12 @@ def cjk_font() -> str | None:
         return next((name for name in CJK_FONTS if name in names), None)
 
     found = find(font_manager.fontManager)
-    if found is None:
-        fresh = font_manager._load_fontmanager(try_read_cache=False)  # a font installed since the cache was built
+    if found is None:  # a font installed since matplotlib's cache was built: scan the system fonts again
+        fresh = font_manager._load_fontmanager(try_read_cache=False)
         found = find(fresh)
-        if found is not None:
-            font_manager.fontManager = fresh
+        for entry in fresh.ttflist:  # into the manager every matplotlib function holds, not a new one
+            if entry.name == found:
+                font_manager.fontManager.addfont(entry.fname)
     return found
 
 
@@ -131,19 +132,28 @@ def _missing(text: str) -> None:
             f.write(repr(text) + "\n")
 
 
+def translate_text(artist: Any) -> None:
+    """Put the Chinese of a matplotlib Text's English in its place (idempotent), with a CJK font to fall back on."""
+    text = artist.get_text()
+    if not text or _CJK.search(text) or not _has_letters(text):
+        return
+    zh = translate(text)
+    if zh is None:
+        _missing(text)
+    elif zh != text:
+        artist.set_text(zh)
+        family = list(artist.get_fontfamily())
+        font = cjk_font()
+        if font is not None and font not in family:  # each glyph from the first family that has it
+            artist.set_fontfamily([*family, font])
+
+
 def translate_figure(fig: Any) -> None:
-    """Put the Chinese of every text of `fig` in place of its English (idempotent)."""
+    """Translate every text `fig` holds now (tick labels are made again at each draw: `Text.draw` translates them)."""
     from matplotlib.text import Text
 
     for artist in fig.findobj(Text):
-        text = artist.get_text()
-        if not text or _CJK.search(text) or not _has_letters(text):
-            continue
-        zh = translate(text)
-        if zh is None:
-            _missing(text)
-        elif zh != text:
-            artist.set_text(zh)
+        translate_text(artist)
 
 
 _installed = False
@@ -160,18 +170,19 @@ def use_chinese_figures() -> bool:
         _warn_once("fsdp_course: no Chinese font found, so figures keep their English labels. " + INSTALL_FONT)
         return False
     import matplotlib
-    from matplotlib.figure import Figure
+    from matplotlib.text import Text
 
-    sans = [f for f in matplotlib.rcParams["font.sans-serif"] if f != font]
-    matplotlib.rcParams["font.sans-serif"] = [sans[0], font, *sans[1:]]  # Latin, Greek first; CJK glyphs fall back
-    original = Figure.draw
+    # a list of families: matplotlib takes each glyph from the first that has it (Latin and Greek from the usual font)
+    family = [f for f in matplotlib.rcParams["font.family"] if f != font]
+    matplotlib.rcParams["font.family"] = [*family, font]
+    original = Text.draw  # every title, label, legend entry, annotation and tick label is drawn through it
 
     @wraps(original)
-    def draw(self: Figure, renderer: Any) -> Any:
-        translate_figure(self)
+    def draw(self: Text, renderer: Any) -> Any:
+        translate_text(self)
         return original(self, renderer)
 
-    Figure.draw = draw
+    Text.draw = draw
     _installed = True
     return True
 
