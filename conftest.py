@@ -1,4 +1,5 @@
-"""Test-session settings: one intra-op thread per process, and nbval's kernels on Unix sockets.
+"""Test-session settings: one intra-op thread per process, nbval's kernels on Unix sockets, the Chinese notebooks
+left to tests/test_translations.py.
 
 At the repository root so that it applies to every pytest run, also `pytest --nbval lessons solutions` alone
 (the portability pass of `make test`), not only to runs that collect tests/.
@@ -27,6 +28,10 @@ class _SocketFileKernelManager(KernelManager):
 
 
 nbval.kernel.KernelManager = _SocketFileKernelManager  # read by nbval.kernel.start_new_kernel at each start
+
+# The Chinese notebooks run the English notebooks' code cells and carry their outputs (docs/TRANSLATING.md):
+# nbval checks them once, on the English notebooks, and tests/test_translations.py checks that they are the same.
+collect_ignore_glob = ["lessons/zh/*", "exercises/zh/*"]
 
 
 def pytest_unconfigure(config: object) -> None:
