@@ -1,5 +1,5 @@
 # fsdp-course: two commands do all the set-up on a fresh machine.
-#   make lab    create .venv if missing, install, open JupyterLab on lesson 00
+#   make lab    create .venv if missing, install, open JupyterLab on lesson 00 (make lab-zh: the Chinese edition)
 #   make test   create .venv if missing, install, run ruff, the unit tests and nbval on the notebooks, then nbval
 #               once more under other numerics (the portability pass: what another student's CPU computes)
 # Python: the first of python3, python3.14 ... python3.10 that torch 2.13 has wheels for (3.10-3.14);
@@ -16,7 +16,7 @@ NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=240 --nbval-sanitize-
 # MKL's CPU-independent code path, and one intra-op thread instead of one per core. nbval's kernels inherit them.
 PORTABLE_ENV := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1
 
-.PHONY: lab test test-portable notebooks exercises translations lint clean-venv
+.PHONY: lab lab-zh test test-portable notebooks exercises translations lint clean-venv
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "No suitable Python found (looked for: $(PYTHON_CANDIDATES)). torch 2.13 needs" \
@@ -38,6 +38,9 @@ $(DEV_STAMP): $(STAMP)
 
 lab: $(STAMP)
 	$(BIN)/python -m fsdp_course.classroom.lab
+
+lab-zh: $(STAMP)
+	$(BIN)/python -m fsdp_course.classroom.lab --lang zh
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .

@@ -247,3 +247,33 @@ def test_every_figure_pattern_compiles_and_its_template_expands() -> None:
         used = [int(d) for d in re.findall(r"\\(\d)", template)]
         assert max(used, default=0) <= groups, f"{pattern!r}: the template uses a group the pattern lacks"
     assert all(v.strip() for v in zh.TEXT.values())
+
+
+@pytest.mark.parametrize("argv, env, lesson", [
+    ([], None, "lessons/00_welcome.ipynb"),
+    (["--lang", "zh"], None, "lessons/zh/00_welcome.ipynb"),
+    ([], "zh_CN", "lessons/zh/00_welcome.ipynb"),
+    (["--lang", "en"], "zh", "lessons/00_welcome.ipynb"),
+])
+def test_make_lab_zh_opens_the_chinese_edition(argv: list[str], env: str | None, lesson: str,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from fsdp_course.classroom import lab
+
+    class Started(Exception):
+        pass
+
+    def execv(path: str, cmd: list[str]) -> None:
+        raise Started(cmd)
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(lab.os, "execv", execv)
+    monkeypatch.setattr(lab, "install_settings", lambda: None)
+    if env is None:
+        monkeypatch.delenv("FSDP_COURSE_LANG", raising=False)
+    else:
+        monkeypatch.setenv("FSDP_COURSE_LANG", env)
+    with pytest.raises(Started) as started:
+        lab.main([*argv, "--no-browser", "--port", "0"])
+    assert f"--LabApp.default_url=/lab/tree/{lesson}" in started.value.args[0]
+    assert f"/lab/tree/{lesson}?token=" in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """Start the course's JupyterLab: on lesson 00, with a token, no pop-ups, and the URL printed.
 
-`make lab` runs `python -m fsdp_course.classroom.lab`. The browser test (tests/test_browser.py) starts the
+`make lab` runs `python -m fsdp_course.classroom.lab`; `make lab-zh` (or `--lang zh`, or FSDP_COURSE_LANG=zh) opens
+the Chinese edition's lesson 00, `lessons/zh/00_welcome.ipynb`. The browser test (tests/test_browser.py) starts the
 same server through `lab_command`, so what it checks is what a student opens.
 
 No pop-ups: JupyterLab 4 asks on first start whether to fetch Jupyter news; the answer lives in the
@@ -22,6 +23,7 @@ from fsdp_course.runtime.ports import free_port
 __all__ = ["DEFAULT_LESSON", "free_port", "install_settings", "lab_command", "main"]
 
 DEFAULT_LESSON = "lessons/00_welcome.ipynb"
+FIRST_LESSON = {"en": DEFAULT_LESSON, "zh": "lessons/zh/00_welcome.ipynb"}
 _OVERRIDES = {
     "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
 }
@@ -61,15 +63,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fsdp_course.classroom.lab", description=main.__doc__)
     parser.add_argument("--port", type=int, default=8888, help="first port to try (default 8888)")
     parser.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    parser.add_argument("--lang", choices=sorted(FIRST_LESSON), default=None,
+                        help="open the English (en) or the Chinese (zh) edition; default: FSDP_COURSE_LANG, else en")
     args = parser.parse_args(argv)
+    from fsdp_course.i18n import language
+
+    lesson = FIRST_LESSON[args.lang or ("zh" if os.environ.get("FSDP_COURSE_LANG") and language() == "zh" else "en")]
     root = Path.cwd()
-    if not (root / DEFAULT_LESSON).exists():
-        parser.error(f"{DEFAULT_LESSON} not found: run this from the course's top folder (where README.md is)")
+    if not (root / lesson).exists():
+        parser.error(f"{lesson} not found: run this from the course's top folder (where README.md is)")
     install_settings()
     port, token = free_port(args.port), secrets.token_hex(16)
-    url = f"http://127.0.0.1:{port}/lab/tree/{DEFAULT_LESSON}?token={token}"
+    url = f"http://127.0.0.1:{port}/lab/tree/{lesson}?token={token}"
     print(f"\n  fsdp-course: JupyterLab at {url}\n  (Ctrl-C to stop)\n", flush=True)
-    cmd = lab_command(root, port=port, token=token, open_browser=not args.no_browser)
+    cmd = lab_command(root, port=port, token=token, open_browser=not args.no_browser,
+                      default_url=f"/lab/tree/{lesson}")
     os.execv(cmd[0], cmd)
 
 
