@@ -292,6 +292,30 @@ def ring_send_waits_first(ctx: RankContext, tensor: torch.Tensor) -> torch.Tenso
     return buf[: tensor.numel()].reshape(tensor.shape)
 
 
+def ring_all_gather_sends_unfinished_chunks(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    """The reduce-scatter half is right; the all-gather half starts one chunk early (r - s instead of r + 1 - s)."""
+    n, r = ctx.world_size, ctx.rank
+    buf, chunks = _ring_pad(ctx, tensor)
+    incoming = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        send = ctx.group.send([chunks[(r - step) % n]], (r + 1) % n, step)
+        ctx.group.recv([incoming], (r - 1) % n, step).wait()
+        send.wait()
+        chunks[(r - step - 1) % n].add_(incoming)
+    for step in range(n - 1):
+        send = ctx.group.send([chunks[(r - step) % n]], (r + 1) % n, 100 + step)
+        ctx.group.recv([chunks[(r - step - 1) % n]], (r - 1) % n, 100 + step).wait()
+        send.wait()
+    return buf[: tensor.numel()].reshape(tensor.shape)
+
+
+def test_ring_all_gather_of_unfinished_chunks_is_named_beside_the_overwriting_recv(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    out = fails(check_ring_all_reduce, ring_all_gather_sends_unfinished_chunks, world_sizes=(2,),
+                hint="or the all-gather half sent chunks that were not finished", capsys=capsys)
+    assert "rank r holds the whole sum of chunk (r + 1) % N" in out
+
+
 def test_ring_recv_that_overwrites_names_the_missing_contributions(capsys: pytest.CaptureFixture[str]) -> None:
     out = fails(check_ring_all_reduce, ring_recv_overwrites, world_sizes=(3,),
                 hint="contributions are missing from a chunk: a recv overwrites its tensor", capsys=capsys)

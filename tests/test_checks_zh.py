@@ -58,6 +58,20 @@ SAMPLES = (
     "peer (same tag, same number of elements), and every recv its send",
     "send and recv need contiguous tensors: use the chunks of a 1-D buffer (flat.chunk(n))",
     "a ring all-reduce is N - 1 steps of reduce-scatter, then N - 1 steps of all-gather, one chunk each",
+    "unit 0's gradient chunk differs from one process's",
+    "unit 1's parameter shard after the step differs from one process's",
+    "rank 1's gradient of `fc.weight` differs from one process's",
+    "rank 0's `fc.bias` after the step differs from one process's",
+    "shard 2 after unscaling differs from one process's",
+    "shard 0 after clipping differs from one process's",
+    "the output differs from one process's",
+    "contributions are missing from a chunk: a recv overwrites its tensor, so in the reduce-scatter half receive into "
+    "a separate buffer and add it (chunk.add_(incoming)); each chunk must travel N - 1 steps round the ring, "
+    "collecting one contribution per step",
+    "contributions are missing from a chunk: a recv overwrites its tensor, so in the reduce-scatter half receive into "
+    "a separate buffer and add it (chunk.add_(incoming)); each chunk must travel N - 1 steps round the ring, "
+    "collecting one contribution per step; or the all-gather half sent chunks that were not finished: after the "
+    "reduce-scatter half, rank r holds the whole sum of chunk (r + 1) % N, the chunk it sends first",
     "a contribution was added twice: in the all-gather half the finished chunks are received into place "
     "(overwriting), not added; and each rank's own chunk is added once",
     "16 elements over 3 ranks: pad with zeros to the next multiple of 3, ceil(16 / 3) * 3 = 18",

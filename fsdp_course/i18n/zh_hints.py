@@ -47,6 +47,14 @@ HINTS: list[tuple[str, str]] = [
     (r"^read the end of the traceback above",
      "看上面 traceback 的末尾：其中你代码的最后一行就是出错的地方"),
     (r"^rank (\d+): values differ$", r"rank \1：数值不对"),
+    (r"^unit (\d+)'s gradient chunk differs from one process's$", r"单元 \1 的梯度分块与单进程的结果不同"),
+    (r"^unit (\d+)'s parameter shard after the step differs from one process's$",
+     r"更新之后，单元 \1 的参数分片与单进程的结果不同"),
+    (r"^rank (\d+)'s gradient of `(.+)` differs from one process's$", r"rank \1 上 `\2` 的梯度与单进程的结果不同"),
+    (r"^rank (\d+)'s `(.+)` after the step differs from one process's", r"更新之后，rank \1 上的 `\2` 与单进程的结果不同"),
+    (r"^shard (\d+) after unscaling differs from one process's$", r"反缩放之后，分片 \1 与单进程的结果不同"),
+    (r"^shard (\d+) after clipping differs from one process's$", r"裁剪之后，分片 \1 与单进程的结果不同"),
+    (r"^the output differs from one process's$", "输出与单进程的结果不同"),
     (r"^rank (\d+): shape differs: got (.+), expected (.+)$", r"rank \1：形状不对：得到 \2，应为 \3"),
     (r"^rank (\d+) returned (\w+), not a tensor$", r"rank \1 返回了 \2，不是张量"),
 
@@ -85,8 +93,12 @@ HINTS: list[tuple[str, str]] = [
      "每一步只发送一个分块（填充后的 numel / N 个元素），而不是整个张量：N - 1 步归约分散，再 N - 1 步全聚合"),
     (r"^a ring all-reduce is N - 1 steps of reduce-scatter",
      "环形全归约是 N - 1 步归约分散加 N - 1 步全聚合，每步一个分块"),
+    (r"^contributions are missing from a chunk: a recv overwrites its tensor.*; or the all-gather half sent chunks",
+     "某个分块缺少一些 rank 的贡献：recv 会覆盖接收它的那个张量，所以在归约分散那一半要接收到单独的缓冲区再相加"
+     "（chunk.add_(incoming)）；每个分块都要沿环走 N - 1 步，每步收集一份贡献。也可能是全聚合那一半发出了尚未完成的分块："
+     "归约分散那一半结束后，rank r 持有分块 (r + 1) % N 的完整求和，它应最先发送这一块"),
     (r"^contributions are missing from a chunk: a recv overwrites its tensor",
-     "某个分块缺少一些 rank 的贡献：recv 会覆盖它的张量，所以在归约分散那一半要接收到单独的缓冲区再相加"
+     "某个分块缺少一些 rank 的贡献：recv 会覆盖接收它的那个张量，所以在归约分散那一半要接收到单独的缓冲区再相加"
      "（chunk.add_(incoming)）；每个分块都要沿环走 N - 1 步，每步收集一份贡献"),
     (r"^chunk (\d+) holds chunk (\d+)'s values: an index is off",
      r"分块 \1 里是分块 \2 的值：某个下标错了，最可能在全聚合那一半；从左邻居收到的分块，应放在邻居发送它时的那个下标"),
@@ -196,7 +208,7 @@ HINTS: list[tuple[str, str]] = [
 
     # -- 06 the FSDP unit ----------------------------------------------------------------------------------------
     (r"^rank (\d+)'s gradient chunk is (\d+)x too large: did you average over the world size",
-     r"rank \1 的梯度分块是应得值的 \2 倍：是否对 world size 求了平均（op='mean'）？"),
+     r"rank \1 的梯度分块是应得值的 \2 倍：是否按 world size 取了平均（op='mean'）？"),
     (r"^rank (\d+)'s gradient chunk is half of one process's after two backward passes",
      r"两次反向之后，rank \1 的梯度分块只有单进程的一半：第二次覆盖了第一次的梯度；要像 autograd 那样累加："
      "self.shard.grad = chunk if self.shard.grad is None else self.shard.grad + chunk"),

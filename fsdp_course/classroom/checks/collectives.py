@@ -360,6 +360,9 @@ def chunk_diagnosis(inputs: list[torch.Tensor], got: torch.Tensor, n: int) -> tu
         hint = ("contributions are missing from a chunk: a recv overwrites its tensor, so in the reduce-scatter half "
                 "receive into a separate buffer and add it (chunk.add_(incoming)); each chunk must travel N - 1 steps "
                 "round the ring, collecting one contribution per step")
+        if all(sorted(coeffs) == [0] * (n - 1) + [1] for _, _, coeffs in found):  # each holds one rank's values
+            hint += ("; or the all-gather half sent chunks that were not finished: after the reduce-scatter half, "
+                     "rank r holds the whole sum of chunk (r + 1) % N, the chunk it sends first")
     return lines, hint
 
 
