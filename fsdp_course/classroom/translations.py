@@ -12,7 +12,8 @@ and outputs, byte for byte, except its figures, which are drawn again with Chine
 lesson flows like this: edit and re-run the English notebook as always; `status` names each markdown cell whose
 English changed since it was translated (its sha differs) and each new cell; update those entries (the new sha
 is printed); `make translations` writes the Chinese notebooks, re-drawing a figure only where its English figure
-changed. `tests/test_translations.py` fails until all of this is done.
+changed (or the Chinese figure texts in `fsdp_course/i18n/zh.py` did). `tests/test_translations.py` fails until all of
+this is done.
 
 An entry whose `zh` still equals the English source counts as untranslated; a cell that reads the same in both
 languages says so with `same: true`.
@@ -39,6 +40,16 @@ KINDS = ("lessons", "exercises")
 LANG = "zh"
 _IMAGE = "image/png"
 _META = "fsdp_course_i18n"  # cell metadata of a re-drawn figure: the sha of the English figure it replaces
+
+
+def figure_texts_sha() -> str:
+    """The sha of the Chinese figure texts (`fsdp_course/i18n/zh.py`): a figure drawn with older ones is redrawn."""
+    return sha((Path(__file__).resolve().parents[1] / "i18n" / "zh.py").read_text(encoding="utf-8"))
+
+
+def _drawn(cell: Any, shas: list[str]) -> bool:
+    """Whether a Chinese cell's figures were drawn from these English figures with the current figure texts."""
+    return cell.metadata.get(_META, {}) == {"from": shas, "texts": figure_texts_sha()}
 
 
 def sha(text: str) -> str:
@@ -230,9 +241,9 @@ def _notebook_problems(notebook: Path, root: Path) -> list[Problem]:
         return [Problem(rel_target, "", "out of date with its English notebook or catalog", "run `make translations`")]
     english, chinese = _figure_shas(nb), _figure_shas(saved)
     for i, cell in enumerate(saved.cells):
-        if english.get(i) and cell.metadata.get(_META, {}).get("from") != english[i]:
-            problems.append(Problem(rel_target, cell.id, "a figure is not re-drawn from the current English one",
-                                    "run `make translations`"))
+        if english.get(i) and not _drawn(cell, english[i]):
+            problems.append(Problem(rel_target, cell.id, "a figure is not drawn again from the current English "
+                                    "figure with the current Chinese figure texts", "run `make translations`"))
         elif english.get(i) and len(chinese[i]) != len(english[i]):
             problems.append(Problem(rel_target, cell.id, "a figure is missing", "run `make translations`"))
     return problems
@@ -296,7 +307,7 @@ def build(notebook: Path, root: Path = ROOT, *, redraw: bool = True, timeout: fl
     saved = nbformat.read(target, as_version=4) if target.exists() else None
     english = _figure_shas(nb)
     stale = [i for i, shas in english.items() if shas and not (
-        saved is not None and i < len(saved.cells) and saved.cells[i].metadata.get(_META, {}).get("from") == shas
+        saved is not None and i < len(saved.cells) and _drawn(saved.cells[i], shas)
         and len(_figure_shas(saved).get(i, [])) == len(shas))]
     fresh = None
     if stale and redraw:
@@ -316,7 +327,7 @@ def build(notebook: Path, root: Path = ROOT, *, redraw: bool = True, timeout: fl
         for o in out.cells[i].outputs:
             if _IMAGE in o.get("data", {}):
                 o["data"][_IMAGE] = next(pictures)
-        out.cells[i].metadata[_META] = {"from": shas}
+        out.cells[i].metadata[_META] = {"from": shas, "texts": figure_texts_sha()}
     target.parent.mkdir(parents=True, exist_ok=True)
     text = nbformat.writes(out) + "\n"
     if not target.exists() or target.read_text(encoding="utf-8") != text:
