@@ -149,15 +149,20 @@ def _ring_pad(ctx: RankContext, tensor: torch.Tensor) -> tuple[torch.Tensor, tup
     return buf, buf.chunk(ctx.world_size)
 
 
-def ring_reduce_scatter_only(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+def _ring_reduce_scatter(ctx: RankContext, chunks: tuple[torch.Tensor, ...]) -> None:
+    """The right reduce-scatter half: rank r ends with the whole sum of chunk (r + 1) % N."""
     n, r = ctx.world_size, ctx.rank
-    buf, chunks = _ring_pad(ctx, tensor)
     incoming = torch.empty_like(chunks[0])
     for step in range(n - 1):
         work = ctx.group.send([chunks[(r - step) % n]], (r + 1) % n, step)
         ctx.group.recv([incoming], (r - 1) % n, step).wait()
         work.wait()
         chunks[(r - step - 1) % n].add_(incoming)
+
+
+def ring_reduce_scatter_only(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    buf, chunks = _ring_pad(ctx, tensor)
+    _ring_reduce_scatter(ctx, chunks)
     return buf[: tensor.numel()].reshape(tensor.shape)
 
 
@@ -296,12 +301,7 @@ def ring_all_gather_sends_unfinished_chunks(ctx: RankContext, tensor: torch.Tens
     """The reduce-scatter half is right; the all-gather half starts one chunk early (r - s instead of r + 1 - s)."""
     n, r = ctx.world_size, ctx.rank
     buf, chunks = _ring_pad(ctx, tensor)
-    incoming = torch.empty_like(chunks[0])
-    for step in range(n - 1):
-        send = ctx.group.send([chunks[(r - step) % n]], (r + 1) % n, step)
-        ctx.group.recv([incoming], (r - 1) % n, step).wait()
-        send.wait()
-        chunks[(r - step - 1) % n].add_(incoming)
+    _ring_reduce_scatter(ctx, chunks)
     for step in range(n - 1):
         send = ctx.group.send([chunks[(r - step) % n]], (r + 1) % n, 100 + step)
         ctx.group.recv([chunks[(r - step - 1) % n]], (r - 1) % n, 100 + step).wait()
