@@ -15,6 +15,7 @@ import nbformat
 import pytest
 from browser import CourseLab, chromium_missing_reason
 
+from fsdp_course.i18n import cjk_font
 from fsdp_course.viz.widgets import BROWSER_SELECTORS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,7 +120,8 @@ def test_a_chinese_lesson_runs_with_its_figures_in_chinese(lab: CourseLab) -> No
                if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})}
     shown = lab.figure_sources()
     assert len(shown) == run.images()
-    assert not set(shown) & english, "a figure came out as the English lesson's: the kernel did not speak Chinese"
+    if cjk_font() is not None:  # without one the figures keep their English text (and say so once)
+        assert not set(shown) & english, "a figure came out as the English lesson's: the kernel did not speak Chinese"
 
 
 def test_the_widget_check_passes_a_working_calculator(lab: CourseLab) -> None:

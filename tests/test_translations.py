@@ -152,6 +152,8 @@ def test_a_bad_catalog_is_named(tmp_path: Path) -> None:
 
 
 def test_a_figure_is_drawn_again_in_chinese_and_only_when_its_english_changed(tmp_path: Path) -> None:
+    if i18n.cjk_font() is None:
+        pytest.skip("no CJK font on this machine: its figures stay English (sudo apt-get install fonts-wqy-microhei)")
     lesson = _course(tmp_path)
     nb = nbformat.read(lesson, 4)
     nb.cells.append(nbformat.v4.new_code_cell(
