@@ -174,8 +174,14 @@ class CourseLab:
             .map(i => i.src).filter(s => s.startsWith('data:image/png;base64,'))
             .map(s => s.slice('data:image/png;base64,'.length))""")
 
-    def page_text(self) -> str:
-        return self.page.evaluate("() => document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)').innerText")
+    def first_cell_text(self, timeout: float = 30) -> str:
+        """The rendered text of the open notebook's first cell, scrolled into view (JupyterLab renders only the
+        cells near the view, so after Run All the top of a long notebook is not on the page)."""
+        self.page.evaluate("""async () => { const nb = window.jupyterapp.shell.currentWidget.content;
+            nb.activeCellIndex = 0; await nb.scrollToItem(0); }""")
+        self.page.wait_for_function("""() => { const c = window.jupyterapp.shell.currentWidget.content.widgets[0];
+            return c.node.isConnected && c.node.innerText.trim().length > 0; }""", timeout=timeout * 1000)
+        return self.page.evaluate("() => window.jupyterapp.shell.currentWidget.content.widgets[0].node.innerText")
 
     def move_slider(self, handle_selector: str, readout_selector: str, key: str = "ArrowRight",
                     timeout: float = 30) -> tuple[str, str]:

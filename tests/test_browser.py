@@ -115,7 +115,8 @@ def test_a_chinese_lesson_runs_with_its_figures_in_chinese(lab: CourseLab) -> No
     assert run.png_outputs() > 0 and run.images() >= run.png_outputs()
     chinese = nbformat.read(CHINESE_LESSON, as_version=4)
     title = next(c.source for c in chinese.cells if c.cell_type == "markdown").splitlines()[0].lstrip("# ")
-    assert title in lab.page_text(), f"the Chinese title {title!r} is not on the page"
+    shown_title = lab.first_cell_text()
+    assert title in shown_title, f"the Chinese title {title!r} is not what the first cell shows: {shown_title[:200]!r}"
     english = {o["data"]["image/png"] for c in nbformat.read(ROOT / "lessons" / CHINESE_LESSON.name, 4).cells
                if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})}
     shown = lab.figure_sources()
