@@ -149,17 +149,6 @@ def _ring_pad(ctx: RankContext, tensor: torch.Tensor) -> tuple[torch.Tensor, tup
     return buf, buf.chunk(ctx.world_size)
 
 
-def _ring_reduce_scatter(ctx: RankContext, chunks: tuple[torch.Tensor, ...]) -> None:
-    """The right reduce-scatter half: rank r ends with the whole sum of chunk (r + 1) % N."""
-    n, r = ctx.world_size, ctx.rank
-    incoming = torch.empty_like(chunks[0])
-    for step in range(n - 1):
-        work = ctx.group.send([chunks[(r - step) % n]], (r + 1) % n, step)
-        ctx.group.recv([incoming], (r - 1) % n, step).wait()
-        work.wait()
-        chunks[(r - step - 1) % n].add_(incoming)
-
-
 def ring_reduce_scatter_only(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
     buf, chunks = _ring_pad(ctx, tensor)
     _ring_reduce_scatter(ctx, chunks)
@@ -237,6 +226,7 @@ def test_ring_stub_and_a_send_that_is_never_received(capsys: pytest.CaptureFixtu
 
 # -- the ring: mistakes named by chunk, the caller's input, the deadlock ------------------------------
 def _ring_reduce_scatter(ctx: RankContext, chunks: tuple[torch.Tensor, ...]) -> None:
+    """The right reduce-scatter half: rank r ends with the whole sum of chunk (r + 1) % N."""
     n, r = ctx.world_size, ctx.rank
     incoming = torch.empty_like(chunks[0])
     for step in range(n - 1):
