@@ -176,6 +176,23 @@ def test_every_rank_sending_first_is_named_a_deadlock() -> None:
     assert "Post the receive first" in text
 
 
+def test_the_deadlock_is_named_by_every_rank_whichever_timed_out_first() -> None:
+    # on a loaded machine one rank's wait fails, that rank ends, and only then does the next rank's wait fail: the
+    # next rank must still see the first one as waiting in its send, not leave it out of the deadlock
+    from fsdp_course.runtime.monitor import WorldMonitor
+
+    monitor = WorldMonitor(3, timeout=1.0)
+    for rank in range(3):
+        monitor.p2p_waiting(rank, f"send to rank {(rank + 1) % 3} (ring step 1 of 2, tag 0)")
+    first = monitor.p2p_diagnosis(1)
+    monitor.set_failed(1, CollectiveHang(first))
+    second = monitor.p2p_diagnosis(0)
+    for text in (first, second):
+        assert text.startswith("deadlock: every rank waits in send while no rank receives (rank r waits in send "
+                               "to rank (r + 1) % N, its right neighbour, at ring step 1 of 2;"), text
+    assert "rank 1: failed with CollectiveHang" in second  # the report still says what happened since
+
+
 def test_a_send_to_itself_or_outside_the_world_is_refused() -> None:
     def fn(ctx):
         with pytest.raises(ValueError, match="the peer must be another rank in 0..1"):

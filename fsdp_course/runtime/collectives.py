@@ -283,7 +283,8 @@ class P2PWork:
         except RuntimeError as exc:
             if monitor is None:
                 raise
-            raise CollectiveHang(f"rank {self._ctx.rank}: {self.what} failed: {monitor.p2p_diagnosis()}") from exc
+            diagnosis = monitor.p2p_diagnosis(self._ctx.rank)
+            raise CollectiveHang(f"rank {self._ctx.rank}: {self.what} failed: {diagnosis}") from exc
         if monitor is not None:
             monitor.p2p_done(self._ctx.rank, self.what)
 

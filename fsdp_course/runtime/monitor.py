@@ -75,6 +75,7 @@ class WorldMonitor:
         self._state: list[str] = ["running, no collective yet"] * world_size
         self._done = [0] * world_size  # collectives completed per rank
         self._terminal = [False] * world_size
+        self._gave_up: dict[int, str] = {}  # rank -> its "waiting in send/recv ..." state when that wait failed
 
     # -- rank states -------------------------------------------------------------------------------
     def _ended(self) -> None:
@@ -146,15 +147,20 @@ class WorldMonitor:
         with self._cond:
             self._set_state(rank, f"running, last finished {what}")
 
-    def p2p_diagnosis(self) -> str:
+    def p2p_diagnosis(self, rank: int | None = None) -> str:
         """Why a send or recv timed out, from every rank's state: a named deadlock, or the list of states.
 
         When every live rank waits in a send, the first line names the targets ("rank r waits in send to rank
         (r + 1) % N, its right neighbour") and, when all the ranks are at the same point, that point (the text
         after the target in each state, e.g. "reduce-scatter step 1 of 2" where a checker numbers the steps).
+        `rank` is the rank whose wait failed: a rank whose wait failed earlier (and has ended since) still counts
+        as waiting where it waited, so every rank names the same deadlock whichever timed out first.
         """
         with self._cond:
+            if rank is not None and self._state[rank].startswith("waiting in"):
+                self._gave_up[rank] = self._state[rank]
             live = {r: s for r, s in enumerate(self._state) if not self._terminal[r]}
+            live.update({r: s for r, s in self._gave_up.items() if self._terminal[r]})
             report = self.report()
         ended = [r for r, s in enumerate(self._state) if s.startswith("finished")]
         if ended:
