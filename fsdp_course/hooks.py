@@ -9,13 +9,14 @@ uses for its root's final callback), and a tensor hook runs when the gradient of
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.autograd import Variable
 
-__all__ = ["queue_after_backward", "register_grad_hooks"]
+__all__ = ["queue_after_backward", "register_grad_hooks", "weak_method"]
 
 
 def queue_after_backward(callback: Callable[[], None]) -> None:
@@ -37,3 +38,20 @@ def register_grad_hooks(outputs: Any, fn: Callable[[], None]) -> None:
     elif isinstance(outputs, dict):
         for o in outputs.values():
             register_grad_hooks(o, fn)
+
+
+def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` (a bound method) as a function that holds its object weakly, for a hook on a tensor the object owns.
+
+    An engine that registers `param.register_post_accumulate_grad_hook(self._on_gradient_ready)` on its own
+    parameters makes a cycle (engine -> parameter -> hook -> engine) that runs through autograd's C++ hook list,
+    which Python's garbage collector cannot see: the engine, its model and its process group (with Gloo's threads)
+    would live until the interpreter exits. Once the object is gone the hook does nothing.
+    """
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args, **kwargs)
+
+    return call

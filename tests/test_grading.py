@@ -478,7 +478,7 @@ def test_ctrl_c_and_sigterm_stop_promptly_and_write_what_was_graded(tmp_path: Pa
             output = proc.communicate(timeout=60)[0]
             took = time.monotonic() - sent
             assert proc.returncode == 128 + signum, output
-            assert took < 20, output  # a few seconds; generous for a loaded machine
+            assert took < 45, output  # a few seconds; the rest is room for a loaded machine (the kernel sleeps 3600 s)
             assert f"stopped by {signum.name}" in output
             with (folder / "g.csv").open() as f:
                 (row,) = csv.DictReader(f)

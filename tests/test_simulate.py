@@ -205,3 +205,56 @@ def test_many_runs_with_failures_leave_nothing_behind(monkeypatch, tmp_path) -> 
             with pytest.raises(RankError):
                 run_ranks(fn, 2 + i % 3, timeout=10)
     assert leftovers() == before == ([], [])
+
+
+def _gloo_threads() -> int | None:
+    """Gloo's C++ threads in this process (Linux: /proc names them), or None where /proc is not there."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return None
+    names = []
+    for t in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended while we looked
+            pass
+    return sum(name.startswith(("gloo", "pt_gloo")) for name in names)
+
+
+@pytest.mark.parametrize("engine", ["ddp", "zero1", "zero2", "fsdp", "hsdp"])
+def test_an_engine_and_its_process_group_go_when_the_run_ends(engine: str) -> None:
+    # an engine's gradient hooks sit on its own parameters; if they held the engine strongly, the cycle would run
+    # through autograd's C++ hook list, which the garbage collector cannot see: every run would keep its model and
+    # its process groups, with Gloo's threads (hundreds of threads after a test file or a long notebook)
+    import copy
+    import gc
+    import weakref
+
+    from torch import nn
+
+    from fsdp_course import DDP, FSDP, ZeRO1, ZeRO2
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+    def adam(params):
+        return torch.optim.Adam(params, lr=0.1)
+
+    def fn(ctx):
+        model = copy.deepcopy(base)
+        made = {"ddp": lambda: DDP(model, ctx), "zero1": lambda: ZeRO1(model, ctx, adam),
+                "zero2": lambda: ZeRO2(model, ctx, adam), "fsdp": lambda: FSDP(model, ctx, wrap={nn.Linear}),
+                "hsdp": lambda: FSDP(model, ctx, wrap={nn.Linear}, mesh=ctx.mesh(2, 2))}[engine]()
+        opt = made.optimizer if engine.startswith("zero") else adam(made.parameters())
+        made(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        return weakref.ref(made), weakref.ref(ctx.group)
+
+    gc.collect()
+    before = _gloo_threads()
+    refs = run_ranks(fn, 4)
+    gc.collect()
+    assert all(engine_ref() is None and group_ref() is None for engine_ref, group_ref in refs)
+    if before is not None:
+        assert _gloo_threads() == before

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from fsdp_course.fsdp.flat_param import FlatGrads, FlatParamLayout
-from fsdp_course.hooks import queue_after_backward
+from fsdp_course.hooks import queue_after_backward, weak_method
 from fsdp_course.memory import record_event
 from fsdp_course.runtime.context import RankContext
 
@@ -84,7 +84,7 @@ class DDP(nn.Module):
         self.grad_buffers = [FlatGrads(FlatParamLayout.build([(str(i), p) for i, p in enumerate(params)], 1), params)
                              for params in by_dtype.values()]
         for p in trainable:
-            p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+            p.register_post_accumulate_grad_hook(weak_method(self._on_gradient_ready))  # no cycle: hooks.py
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._callback_queued = False  # a backward that raised never ran its callback: start afresh

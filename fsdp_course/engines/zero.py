@@ -65,7 +65,7 @@ from torch import nn
 
 from fsdp_course.engines.ddp import broadcast_module
 from fsdp_course.fsdp.flat_param import FlatGrads, FlatParamLayout, flatten_params
-from fsdp_course.hooks import queue_after_backward
+from fsdp_course.hooks import queue_after_backward, weak_method
 from fsdp_course.memory import optimizer_tensors, record_event
 from fsdp_course.runtime.context import RankContext
 
@@ -194,7 +194,7 @@ class ZeRO2(_ZeRO):
         self._callback_queued = False
         self._init_bucket_state()
         for _, p in named:
-            p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+            p.register_post_accumulate_grad_hook(weak_method(self._on_gradient_ready))  # no cycle: hooks.py
 
     def _init_bucket_state(self) -> None:
         self._bucket_of = {id(p): (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}

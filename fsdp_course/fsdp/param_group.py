@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fsdp_course.fsdp.common import RegisterPostBackward, ShardedState, TrainingState
 from fsdp_course.fsdp.flat_param import FlatParamHandle
 from fsdp_course.fsdp.policy import MixedPrecision
+from fsdp_course.hooks import weak_method
 
 __all__ = ["CommContext", "FSDPUnit", "Span"]
 
@@ -117,10 +118,11 @@ class FSDPUnit:
         self._pending: list[Any] = []  # all-gathers issued with async_op=True (a prefetch), not waited for yet
         self._compute_start: float | None = None
         self._reduced: set[int] = set()  # indices of the handles reduced in this backward
+        post_backward = weak_method(self.post_backward)  # the hook must not keep this unit (and its group) alive
         for i, h in enumerate(handles):
             h.set_attributes(h.placeholders)
             if h.requires_grad:  # fires once per backward, when all of the flat parameter's grads are summed
-                h.unsharded.register_post_accumulate_grad_hook(lambda t, i=i: self.post_backward(i))
+                h.unsharded.register_post_accumulate_grad_hook(lambda t, i=i: post_backward(i))
 
     # -- the two primitives ---------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
