@@ -190,7 +190,9 @@ def test_the_deadlock_is_named_by_every_rank_whichever_timed_out_first() -> None
     for text in (first, second):
         assert text.startswith("deadlock: every rank waits in send while no rank receives (rank r waits in send "
                                "to rank (r + 1) % N, its right neighbour, at ring step 1 of 2;"), text
-    assert "rank 1: failed with CollectiveHang" in second  # the report still says what happened since
+    # each rank's line says where it waited, and what happened since
+    assert ("rank 1: waiting in send to rank 2 (ring step 1 of 2, tag 0), until that wait failed (then failed with "
+            "CollectiveHang after 0 collective(s))") in second
 
 
 def test_a_send_to_itself_or_outside_the_world_is_refused() -> None:

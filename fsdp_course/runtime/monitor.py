@@ -160,8 +160,10 @@ class WorldMonitor:
             if rank is not None and self._state[rank].startswith("waiting in"):
                 self._gave_up[rank] = self._state[rank]
             live = {r: s for r, s in enumerate(self._state) if not self._terminal[r]}
-            live.update({r: s for r, s in self._gave_up.items() if self._terminal[r]})
-            report = self.report()
+            gave_up = {r: s for r, s in self._gave_up.items() if self._terminal[r]}
+            live.update(gave_up)
+            report = "\n".join(f"  rank {r}{self._who(r)}: {gave_up[r]}, until that wait failed (then {s})"
+                               if r in gave_up else f"  rank {r}{self._who(r)}: {s}" for r, s in enumerate(self._state))
         ended = [r for r, s in enumerate(self._state) if s.startswith("finished")]
         if ended:
             return (f"rank(s) {', '.join(map(str, ended))} ended without posting the matching send or recv:\n"
