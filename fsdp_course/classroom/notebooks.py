@@ -50,11 +50,14 @@ def run_notebook(path: Path, *, timeout: float = 240.0) -> float:
     nb = nbformat.read(path, as_version=4)
     km = KernelManager(kernel_name="python3", **kernel_transport())
     started = time.perf_counter()
+    client = NotebookClient(nb, km=km, timeout=int(timeout), allow_errors=False,
+                            resources={"metadata": {"path": str(path.resolve().parent)}})
     try:
-        NotebookClient(nb, km=km, timeout=int(timeout), allow_errors=False,
-                       resources={"metadata": {"path": str(path.resolve().parent)}}).execute()
-    finally:
-        if km.has_kernel:  # a kernel manager passed in is ours to stop: nbclient leaves it running
+        client.execute()
+    finally:  # a kernel manager passed in is ours to stop: nbclient leaves it running, and its client's sockets open
+        if getattr(client, "kc", None) is not None:
+            client.kc.stop_channels()
+        if km.has_kernel:
             km.shutdown_kernel(now=True)
     seconds = time.perf_counter() - started
     for cell in nb.cells:
