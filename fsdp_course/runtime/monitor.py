@@ -106,7 +106,10 @@ class WorldMonitor:
             self._set_state(rank, f"running, last finished {sig.op} #{sig.seq}")
 
     def report(self) -> str:
-        return "\n".join(f"  rank {r}{self._who(r)}: {s}" for r, s in enumerate(self._state))
+        """Every rank's state, one line each; a rank whose send or recv failed says where it waited first."""
+        return "\n".join(f"  rank {r}{self._who(r)}: {self._gave_up[r]}, until that wait failed (then {s})"
+                         if r in self._gave_up and self._terminal[r] else f"  rank {r}{self._who(r)}: {s}"
+                         for r, s in enumerate(self._state))
 
     # -- subgroups ---------------------------------------------------------------------------------
     def child(self, name: str, ranks: list[int]) -> WorldMonitor:
@@ -160,10 +163,8 @@ class WorldMonitor:
             if rank is not None and self._state[rank].startswith("waiting in"):
                 self._gave_up[rank] = self._state[rank]
             live = {r: s for r, s in enumerate(self._state) if not self._terminal[r]}
-            gave_up = {r: s for r, s in self._gave_up.items() if self._terminal[r]}
-            live.update(gave_up)
-            report = "\n".join(f"  rank {r}{self._who(r)}: {gave_up[r]}, until that wait failed (then {s})"
-                               if r in gave_up else f"  rank {r}{self._who(r)}: {s}" for r, s in enumerate(self._state))
+            live.update({r: s for r, s in self._gave_up.items() if self._terminal[r]})
+            report = self.report()
         ended = [r for r, s in enumerate(self._state) if s.startswith("finished")]
         if ended:
             return (f"rank(s) {', '.join(map(str, ended))} ended without posting the matching send or recv:\n"
