@@ -15,7 +15,7 @@ unchanged notebook changes only what its cells print.
 Saved outputs are claims that nbval re-checks on other machines (README, "Notebooks are claims"), so
 before saving, run the notebook under other numerics too, for example:
 
-    ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 make test-portable
+    make test-portable    # tests/portable.py sets and checks the environment; make test-native: this CPU
 """
 
 from __future__ import annotations
