@@ -13,10 +13,15 @@ took one of them first (CI: "zmq.error.ZMQError: Address already in use", "Kerne
 to kernel_info"). Kernels started here use `ipc` sockets instead (fsdp_course.runtime.ports.kernel_transport).
 """
 
+import os
+import tempfile
+from pathlib import Path
+
 import nbval.kernel
 import torch
 from jupyter_client.manager import KernelManager
 
+from fsdp_course.runtime.launch import LAUNCH_LOG, count_launches
 from fsdp_course.runtime.ports import kernel_transport, remove_kernel_dir
 
 torch.set_num_threads(1)
@@ -32,6 +37,30 @@ nbval.kernel.KernelManager = _SocketFileKernelManager  # read by nbval.kernel.st
 # The Chinese notebooks run the English notebooks' code cells and carry their outputs (docs/TRANSLATING.md):
 # nbval checks them once, on the English notebooks, and tests/test_translations.py checks that they are the same.
 collect_ignore_glob = ["lessons/zh/*", "exercises/zh/*"]
+
+
+def pytest_configure(config: object) -> None:
+    # every torchrun launch of this run (tests, the checkers they call, notebooks' kernels) appends a line to one
+    # file; set before xdist starts its workers, which inherit it
+    if not hasattr(config, "workerinput") and LAUNCH_LOG not in os.environ:
+        fd, path = tempfile.mkstemp(prefix="fsdp_course_launches_", suffix=".tsv")
+        os.close(fd)
+        os.environ[LAUNCH_LOG] = path
+        config._fsdp_course_launch_log = path  # type: ignore[attr-defined]
+
+
+def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: object) -> None:
+    path = getattr(config, "_fsdp_course_launch_log", None)
+    if path is None:
+        return
+    found = count_launches(path)
+    tr = terminalreporter
+    tr.write_sep("-", f"torchrun launches: {len(found['process'])} by the tests and their checkers, "  # type: ignore
+                 f"{len(found['notebook'])} by notebooks")
+    for place in ("process", "notebook"):
+        for job, who in found[place].items():
+            tr.write_line(f"  {place:<8} {job:>8}  {who}")  # type: ignore[attr-defined]
+    Path(path).unlink(missing_ok=True)
 
 
 def pytest_unconfigure(config: object) -> None:

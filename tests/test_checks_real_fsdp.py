@@ -1,18 +1,26 @@
 """The checker of exercise 11 (the course's units with fully_shard, trained under torchrun) passes the reference
 solution and fails planted mistakes with the diagnosis that names them: each planted function is the reference with
 one thing wrong, as a learner would get it. The order and the units are read in this process; a mistake only a real
-run shows (fully_shard called under another name, another option) costs one torchrun launch of 2 processes."""
+run shows (fully_shard called under another name, another option) is run by the checker's own per-process code in
+one phase of the suite's launches (tests/phases.py), and judged by the checker; the reference runs the whole check,
+its own torchrun launch included."""
 
 from __future__ import annotations
 
+import inspect
+import json
+import textwrap
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+from phases import launched
 from reference_solutions import fails, load, passes
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from fsdp_course.classroom.checks import check_fully_shard_units
+from fsdp_course.classroom.checks import check_fully_shard_units, real_fsdp
+from fsdp_course.runtime.context import RankContext
 
 REAL = load("11_real_fsdp")
 
@@ -107,13 +115,33 @@ def test_planted_in_this_process(fn: Callable, hint: str, capsys: pytest.Capture
     assert "FAILED at fully_shard's calls, recorded in this process" in out
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
+UNDER_TORCHRUN = [
     (no_root_by_private_path, "2 FSDP states under torchrun, expected 3"),
     (bf16_unimported, "the function runs in fresh processes, where only torch, nn and fully_shard are imported"),
     (root_resharded, "6 all-gathers per step, expected 5: the root once and every layer twice"),
     (bf16, "differs from the course's FSDP's"),
-])
-def test_planted_under_torchrun(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
+]
+
+
+def phase(out: Path) -> None:
+    """In each process of the suite's "pair" launch (tests/phases.py): what the checker's own torchrun processes run
+    (`run_in_process`, the source alone), for every planted function, one after another."""
+    ctx = RankContext.from_env()
+    for fn, _ in UNDER_TORCHRUN:
+        report = real_fsdp.run_in_process(textwrap.dedent(inspect.getsource(fn)), fn.__name__, ctx)
+        (out / f"{fn.__name__}_rank{ctx.rank}.json").write_text(json.dumps(report))
+    ctx.close()
+
+
+@pytest.mark.parametrize(("fn", "hint"), UNDER_TORCHRUN)
+def test_planted_under_torchrun(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str],
+                                tmp_path_factory: pytest.TempPathFactory) -> None:
+    out = launched(tmp_path_factory, "fully_shard_planted")
+    runs = [json.loads((out / f"{fn.__name__}_rank{r}.json").read_text()) for r in range(real_fsdp.WORLD_SIZE)]
+
+    def check_fully_shard_units(fn: Callable) -> None:  # the checker, its launch replayed from the phase's runs
+        real_fsdp._check(fn, lambda *_: runs)
+
     out = fails(check_fully_shard_units, fn, hint=hint, capsys=capsys)
     assert "FAILED at world size 2, torchrun" in out
 

@@ -28,9 +28,10 @@ from fsdp_course.i18n import hint_zh, zh_hints
 MODULES = ("test_checks", "test_checks_exercises", "test_checks_zero", "test_checks_wrapping",
            "test_checks_model_pitfalls", "test_checks_mixed_precision", "test_checks_overlap", "test_checks_hsdp",
            "test_checks_lora", "test_checks_budget", "test_checks_dcp", "test_checks_real_fsdp")
-SKIP = {  # they launch torchrun
+SKIP = {  # they launch torchrun (or read a launch's phase), or wait out a Gloo timeout: their hints are in SAMPLES
     "test_checks_exercises.test_checkpoint_loaded_by_torchrun_processes",
     "test_checks_real_fsdp.test_planted_under_torchrun",
+    "test_checks.test_ring_deadlock_names_the_send_and_the_step",
 }
 FIXTURES = {"capsys", "monkeypatch"}
 CJK = re.compile(r"[\u4e00-\u9fff]")
@@ -38,6 +39,9 @@ CJK = re.compile(r"[\u4e00-\u9fff]")
 # English hints (and problem lines) that the planted mistakes run here do not show: those of the torchrun runs, of
 # the tests that do not go through `fails` and of the checkers' rarer branches, written as the checkers write them
 SAMPLES = (
+    "every rank waited for its send to finish before posting its recv, so no send could finish: per step, start the "
+    "send without waiting (work = ctx.group.send([chunk], right, tag)), then ctx.group.recv([incoming], left, "
+    "tag).wait(), then work.wait()",
     "rank 1's result is 4x too large: did you sum twice (e.g. an all_reduce on top of the reduce_scatter)?",
     "that is one chunk: all_gather the reduced chunks so every rank holds all of them",
     "same number of elements, different shape: reshape to the input's shape (tensor.shape)",

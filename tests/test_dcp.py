@@ -1,6 +1,6 @@
 """DCP checkpoints (fsdp_course/fsdp/dcp.py) under real torchrun: PyTorch's own checkpoint format, both ways.
 
-Two launches (starting torchrun and importing torch cost about 20 CPU-seconds each, so each does several phases):
+Two phases of the suite's launches (tests/phases.py):
   - N=2: the layout checked against fully_shard's own `get_model_state_dict` / `get_optimizer_state_dict` (same
     keys, shapes, placements, local shapes, values); ours and fully_shard each train 3 AdamW steps on the same
     data and save (ours through `dcp.save`, fully_shard through torch's get_state_dict + `torch.distributed.
@@ -20,14 +20,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from launch import torchrun
+from phases import launched
 
-HERE = Path(__file__).resolve()
 STEPS = 3  # AdamW steps before saving: exp_avg, exp_avg_sq and step are not trivial
 BATCH = 12  # global batch: 6 rows per rank at N=2, 4 at N=3
 LR = 1e-2
@@ -41,15 +39,18 @@ TOL_LOSS = 1e-6
 TOL_PARAMS = 2e-5
 
 
-def launch(n: int, phase: str, out: Path) -> None:
-    torchrun(HERE, n, phase, str(out), what=phase)
+def phase_save(out: Path) -> None:  # in each process of the "pair" launch (tests/phases.py)
+    worker("save", out)
+
+
+def phase_load(out: Path) -> None:  # in each process of the "three" launch, after the "pair" launch saved
+    worker("load", out.parent / "dcp_save")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("dcp")
-    launch(2, "save", out)
-    launch(3, "load", out)
+    launched(tmp_path_factory, "dcp_load")  # runs the "pair" launch first
+    out = launched(tmp_path_factory, "dcp_save")
     found: dict[str, Any] = {"dir": out, "save": json.loads((out / "save.json").read_text())}
     found["load"] = [json.loads((out / f"load_rank{r}.json").read_text()) for r in range(3)]
     return found
@@ -185,7 +186,7 @@ def test_the_courses_sharded_format_cannot_be_resharded(results: dict[str, Any])
     assert "was saved by 2 ranks, this run has 3" in results["load"][0]["course_sharded_own_loader"]
 
 
-# -- run by torchrun: `torchrun --nproc-per-node N tests/test_dcp.py {save|load} OUTDIR` ---------------------------
+# -- run by torchrun, as the phases dcp_save (N=2) and dcp_load (N=3) of tests/phases.py ------------------------
 
 
 def worker(phase: str, out: Path) -> None:  # noqa: C901  (one launch, several phases)
@@ -444,9 +445,3 @@ def worker(phase: str, out: Path) -> None:  # noqa: C901  (one launch, several p
     (out / f"load_rank{rank}.json").write_text(json.dumps(report))
     world.barrier()
     world.close()
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("save", "load"):
-        raise SystemExit(f"usage: torchrun --nproc-per-node N {HERE.name} {{save|load}} OUTDIR")
-    worker(sys.argv[1], Path(sys.argv[2]))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from equivalence import sliced_reference
-from launch import torchrun
+from phases import launched
 from torch import nn
 
 from fsdp_course.engines.equivalence import (
@@ -50,7 +49,6 @@ from fsdp_course.runtime.mesh import hsdp_traffic_formula, mesh_groups
 from fsdp_course.runtime.monitor import CollectiveMismatch
 from fsdp_course.runtime.simulate import RankError, run_ranks
 
-HERE = Path(__file__).resolve()
 STEPS, TOL = 4, 1e-5  # test_fsdp.py's tolerance
 TOL_TORCH = 1e-5  # test_train.py's, ours against fully_shard
 
@@ -326,8 +324,7 @@ def test_clipping_uses_the_global_norm() -> None:
 # -- against fully_shard on a 2-D mesh, under torchrun ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def torchrun_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("hsdp")
-    torchrun(HERE, 4, str(out))
+    out = launched(tmp_path_factory, "hsdp")  # in_torchrun below, in the "four" launch (tests/phases.py)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
@@ -403,8 +400,3 @@ def in_torchrun(out: Path) -> None:
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(report))
     ctx.close()
 
-
-if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit(f"usage: torchrun --nproc-per-node 4 {HERE.name} OUTDIR")
-    in_torchrun(Path(sys.argv[1]))

@@ -18,14 +18,13 @@ import functools
 import inspect
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from launch import torchrun
+from phases import launched
 from torch import nn
 
 from fsdp_course.engines.equivalence import (
@@ -42,7 +41,6 @@ from fsdp_course.lora import LoRALinear, add_lora, lora_modules, merge_lora, rem
 from fsdp_course.memory import attach, measure
 from fsdp_course.models import TransformerClassifier, TransformerConfig, count_parameters
 
-HERE = Path(__file__).resolve()
 STEPS, BATCH, TOL = 5, 24, 1e-5  # tests/test_fsdp.py's: 24 divides by 2 and 3; tests/test_train.py's TOL too
 RANK, ALPHA = 2, 4.0
 WRAP = {nn.TransformerEncoderLayer}
@@ -308,8 +306,7 @@ def test_lora_shrinks_the_reduce_scatter_not_the_all_gather(world_size: int) -> 
 # ------------------------------------------------------------------------------------------------ fully_shard
 @pytest.fixture(scope="module")
 def torchrun_reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("lora")
-    torchrun(HERE, 2, str(out), timeout=300)
+    out = launched(tmp_path_factory, "lora")  # in_torchrun below, in the "pair" launch (tests/phases.py)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -436,12 +433,6 @@ def in_torchrun(out: Path) -> None:
     assert len(groups) == 3 and numels[0] == numels[1], "two layers' groups, then the root's"
     (out / f"rank{world.rank}.json").write_text(json.dumps(report))
     world.close()
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit(f"usage: torchrun --nproc-per-node 2 {HERE.name} OUTDIR")
-    in_torchrun(Path(sys.argv[1]))
 
 
 def test_the_encoder_layers_inference_fast_path_fails_loudly_with_an_adapter() -> None:

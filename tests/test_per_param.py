@@ -1,16 +1,13 @@
 """Tests for fsdp_course.fsdp.per_param: FSDP2's dim-0 sharding, checked against torch's own formula, against
 what `fully_shard` stores and gathers (run on the same simulated ranks), and against the full tensors."""
 
-import ast
 import copy
-import os
-import re
-import subprocess
-import sys
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from phases import launched
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -19,7 +16,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty, 
 from fsdp_course.engines.torch_fsdp import count_collectives
 from fsdp_course.fsdp.per_param import PerParamLayout, all_gather_params, dim0_chunk_rows, reduce_scatter_grads
 from fsdp_course.runtime.context import RankContext
-from fsdp_course.runtime.ports import free_port
 from fsdp_course.runtime.simulate import run_ranks
 
 SHAPES = [(5, 3), (5,), (2, 5), (2,), (7, 3), (1, 4), (13,), (4, 4), (64, 8)]
@@ -91,20 +87,19 @@ def compare_with_fully_shard(ctx: RankContext) -> dict:
     return out
 
 
-def test_local_chunks_and_gathered_parameters_match_fully_shard():
+def phase(out: Path) -> None:  # in each process of the "three" launch (tests/phases.py)
+    ctx = RankContext.from_env(timeout=60)
+    (out / f"rank{ctx.rank}.json").write_text(json.dumps(compare_with_fully_shard(ctx)))
+    ctx.close()
+
+
+def test_local_chunks_and_gathered_parameters_match_fully_shard(tmp_path_factory: pytest.TempPathFactory) -> None:
     """torch's fully_shard under torchrun, 3 processes (no parameter's dim 0 divides by 3; two are shorter than 3):
     its padded local chunk of every parameter, the DTensor's local tensor, the bytes of its all-gather and the
     unsharded parameters are what this module computes."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run(
-        [str(torchrun), "--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-         __file__], capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    # three processes share one stdout: a line may land right after another's without its newline
-    found = dict(re.findall(r"RESULT rank=(\d) (\{[^{}]*\})", proc.stdout))
-    assert sorted(found) == ["0", "1", "2"], proc.stdout
-    for rank, text in found.items():
-        result = ast.literal_eval(text)
+    out = launched(tmp_path_factory, "per_param")
+    for rank in range(3):
+        result = json.loads((out / f"rank{rank}.json").read_text())
         assert all(result[k] for k in ("padded_shape", "padded_chunk", "dtensor_local", "full")), (rank, result)
         assert len(set(result["all_gather_bytes"])) == 1, (rank, result)
 
@@ -167,13 +162,3 @@ def test_bad_input():
         dim0_chunk_rows(3, 0)
     with pytest.raises(ValueError, match="world_size"):
         PerParamLayout.build([("a", torch.zeros(3))], 0)
-
-
-if __name__ == "__main__":  # one process of the torchrun world started by test_local_chunks_..._match_fully_shard
-    rank_ctx = RankContext.from_env(timeout=60)
-    try:
-        sys.stdout.write(f"RESULT rank={rank_ctx.rank} {compare_with_fully_shard(rank_ctx)}\n")  # one write per line
-        sys.stdout.flush()
-        rank_ctx.barrier()  # leave together
-    finally:
-        rank_ctx.close()

@@ -1,8 +1,7 @@
 """Claims the lessons make about PyTorch itself, checked against torch in real processes under torchrun.
 
-The tests launch this same file once, as `torchrun --nproc-per-node 2 tests/test_torch_claims.py CLAIM ...` (Gloo,
-CPU); every process runs each claim and writes what it found to `rank{R}.json` in the folder named by the
-environment variable CLAIMS_OUT (a file, not stdout: two processes' long lines interleave in one pipe), and each
+Every claim runs in the 2 processes of the suite's "pair" launch (tests/phases.py: Gloo, CPU); each process writes
+what it found to `rank{R}.json` (a file, not stdout: two processes' long lines interleave in one pipe), and each
 test asserts on what both ranks reported for its claim.
 
 - `fully_shard` broadcasts nothing at construction (lessons 00 and 06). torch/distributed/fsdp/_fully_shard/
@@ -28,17 +27,13 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from phases import launched
 from torch import nn
-
-from fsdp_course.runtime.ports import free_port
 
 HERE = Path(__file__)
 ROWS, COLS = 6, 4  # nn.Linear(COLS, ROWS).weight: (6, 4), two chunks of 3 rows on 2 ranks
@@ -119,37 +114,20 @@ def claim_ddp_buckets(rank: int) -> dict[str, Any]:
 CLAIMS = {"fully_shard_init": claim_fully_shard_init, "ddp_buckets": claim_ddp_buckets}
 
 
-def main(claims: list[str]) -> None:
+def phase(out: Path) -> None:  # in each process of the "pair" launch (tests/phases.py), the world joined
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        result = {claim: CLAIMS[claim](dist.get_rank()) for claim in claims}
-        (Path(os.environ["CLAIMS_OUT"]) / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
-        dist.barrier()  # leave together: a rank that exits while a peer still talks can abort that peer
-    finally:
-        dist.destroy_process_group()
+    result = {claim: check(dist.get_rank()) for claim, check in CLAIMS.items()}
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
 
 
 # -- the tests: launch, then assert ----------------------------------------------------------------------------
 
 
-def launch(out: Path, *claims: str) -> list[dict[str, Any]]:
-    """Run the claims in 2 processes under torchrun (one launch); what each rank reported, in rank order."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CLAIMS_OUT": str(out)}
-    proc = subprocess.run(
-        [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-         str(HERE), *claims], capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    # one launch for all claims: starting torchrun takes most of the time
-    return launch(tmp_path_factory.mktemp("claims"), *CLAIMS)
+    out = launched(tmp_path_factory, "torch_claims")
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
 def test_fully_shard_keeps_each_ranks_own_chunk_and_broadcasts_nothing(reports: list[dict[str, Any]]) -> None:
@@ -193,6 +171,3 @@ def test_ddp_default_keeps_buckets_beside_the_gradients(reports: list[dict[str, 
     assert not ranks[1]["own_init_is_rank0s"], "rank 1 had built other values"
     assert ranks[0]["False"]["grad_sum"] == ranks[1]["False"]["grad_sum"], "both ranks hold the averaged gradient"
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

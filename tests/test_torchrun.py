@@ -1,32 +1,34 @@
 """The rank context built inside real processes by torchrun runs the simulator's code unchanged."""
 
+import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
-from fsdp_course import run_ranks
-from fsdp_course.runtime.ports import free_port
+import pytest
+from phases import launched
+
+from fsdp_course import RankContext, run_ranks
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from torchrun_hello import hello  # noqa: E402
 
 
-def test_same_function_under_torchrun_and_in_threads() -> None:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-         str(free_port()), str(HERE / "torchrun_hello.py")],
-        capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = dict(re.findall(r"RESULT rank=(\d) world=2 (\[.*?\]) ledger=3", proc.stdout))
-    assert sorted(found) == ["0", "1"], proc.stdout
+def phase(out: Path) -> None:  # in each process of the "pair" launch (tests/phases.py)
+    ctx = RankContext.from_env(timeout=30)
+    (out / f"rank{ctx.rank}.json").write_text(json.dumps({"world": ctx.world_size, "result": hello(ctx),
+                                                          "ledger": len(ctx.ledger)}))
+    ctx.close()
+
+
+def test_same_function_under_torchrun_and_in_threads(tmp_path_factory: pytest.TempPathFactory) -> None:
+    out = launched(tmp_path_factory, "hello")
+    found = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     simulated = run_ranks(hello, 2)
     for rank in range(2):
-        assert eval(found[str(rank)]) == simulated[rank]  # noqa: S307  (our own printed list)
+        assert found[rank] == {"world": 2, "result": simulated[rank], "ledger": 3}
 
 
 def test_without_a_launcher_the_error_says_how_to_launch() -> None:

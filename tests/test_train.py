@@ -1,7 +1,8 @@
-"""`python -m fsdp_course.train` under real torchrun: ours on two "nodes" against fully_shard, bad launches.
+"""`fsdp_course.train` under real torchrun: ours on two "nodes" against fully_shard, bad launches.
 
-Two launches, started together: PyTorch's fully_shard as 2 processes on one node, and the course's FSDP as two
-"nodes" of 2 processes each (4 ranks, c10d rendezvous). Both start from the same weights, see the same global
+Two phases of the suite's launches (tests/phases.py; `main` is what `python -m fsdp_course.train` runs): PyTorch's
+fully_shard as 2 processes on one node, and the course's FSDP as two "nodes" of 2 processes each (4 ranks, c10d
+rendezvous). Both start from the same weights, see the same global
 batches and use AdamW, and every world size computes the step one process would: the losses must agree at every
 step and the final parameters in global norm (elementwise equality is not expected with Adam: see
 docs/ARCHITECTURE.md). One comparison checks the engines and the world size at once; lesson 11 compares the
@@ -20,10 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from phases import launched, stdout_of
 
 from fsdp_course.runtime.ports import free_port
+from fsdp_course.train import main
 
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 STEPS, TOL = 10, 1e-5
 TRAIN = ["-m", "fsdp_course.train", "--config", "small", "--steps", str(STEPS), "--batch-size", "32",
@@ -44,35 +46,29 @@ def finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str, str]
     return proc.returncode, out, err
 
 
-def one_node(engine: str, out: Path) -> list[subprocess.Popen]:
-    return [start([TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                   *TRAIN, "--engine", engine, "--json", str(out / "log.json"), "--checkpoint", str(out / "ckpt")])]
+def phase_torch(out: Path) -> None:  # in each process of the "pair" launch (tests/phases.py)
+    main([*TRAIN[2:], "--engine", "torch", "--json", str(out / "log.json"), "--checkpoint", str(out / "ckpt")])
 
 
-def two_nodes(engine: str, out: Path) -> list[subprocess.Popen]:
-    """Two torchrun "nodes" of 2 processes each: 4 ranks. Each node names its own JSON and checkpoint path, so
-    the test sees which processes wrote them (global rank 0 only)."""
-    port = free_port()
-    node = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"127.0.0.1:{port}", "--rdzv-id", f"test{port}", "--local-addr", "127.0.0.1", "--max-restarts", "0"]
-    return [start([TORCHRUN, *node, "--node-rank", str(k), *TRAIN, "--engine", engine,
-                   "--json", str(out / f"node{k}.json"), "--checkpoint", str(out / f"ckpt{k}")]) for k in (0, 1)]
+def phase_ours(out: Path) -> None:
+    """In each process of the "four" launch: two torchrun "nodes" of 2 processes each, 4 ranks (c10d rendezvous).
+    Each node names its own JSON and checkpoint path, so the test sees which processes wrote them (global rank 0
+    only)."""
+    node = os.environ["GROUP_RANK"]  # torchrun's node rank
+    main([*TRAIN[2:], "--engine", "ours", "--json", str(out / f"node{node}.json"),
+          "--checkpoint", str(out / f"ckpt{node}")])
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """torch on one node (2 ranks) and ours on two nodes (4 ranks), started together (their startups overlap)."""
-    dirs = {e: tmp_path_factory.mktemp(e) for e in ("ours", "torch")}
-    procs = {"torch": one_node("torch", dirs["torch"]), "ours": two_nodes("ours", dirs["ours"])}
+    """torch on one node (2 ranks) and ours on two nodes (4 ranks), phases of the suite's launches."""
     results = {}
-    for engine, launched in procs.items():
-        done = [finish(p, 300) for p in launched]  # 3 torchrun agents and 6 processes share the CPU
-        for k, (rc, out, err) in enumerate(done):
-            assert rc == 0, f"--engine {engine}, node {k} of {len(done)} failed:\n{out[-2000:]}\n{err[-4000:]}"
-        stdout = "".join(out for _, out, _ in done)
+    for engine, phase in (("torch", "train_torch"), ("ours", "train_ours")):
+        out = launched(tmp_path_factory, phase)
+        stdout = stdout_of(out)
         assert stdout.count("summary: engine=" + engine) == 1, "one summary, printed by global rank 0"
-        logs = sorted(p for p in dirs[engine].iterdir() if p.suffix == ".json")
-        ckpts = sorted(p for p in dirs[engine].iterdir() if (p / "model.pt").exists())
+        logs = sorted(p for p in out.iterdir() if p.suffix == ".json")
+        ckpts = sorted(p for p in out.iterdir() if (p / "model.pt").exists())
         results[engine] = {"log": json.loads(logs[0].read_text()), "state": torch.load(ckpts[0] / "model.pt"),
                            "stdout": stdout, "logs": logs, "ckpts": ckpts}
     return results
@@ -205,9 +201,9 @@ def test_one_step_reports_no_median_instead_of_crashing(tmp_path: Path) -> None:
 
 
 def test_a_diverged_run_says_so_and_fails() -> None:
-    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "--max-restarts", "0", *TINY, "--steps", "20", "--lr", "1e6"]
-    rc, out, err = finish(start(cmd))  # tiny, but torch starts slowly on a loaded machine
+    # the decision is the same on every rank (each sees the same global loss): a world of one shows it
+    env = {**ENV, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    rc, out, err = finish(start([sys.executable, *TINY, "--steps", "20", "--lr", "1e6"], env))
     assert rc != 0, f"a nan loss must fail the run:\n{out[-2000:]}\n{err[-4000:]}"
     assert "the run diverged" in err and "lower --lr" in err
     assert "summary:" not in out  # no report of a broken model

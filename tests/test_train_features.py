@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launch import torchrun
+from phases import launched, stdout_of
 
-HERE = Path(__file__).resolve()
 STEPS = 6
 TRAIN = ["--config", "small", "--steps", str(STEPS), "--batch-size", "32", "--log-every", "100", "--timeout", "60"]
 
@@ -72,11 +71,10 @@ def rel(a: float, b: float) -> float:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every run's summary (with its report as "report"), and the scaler claim's per-rank reports as "scaler"."""
-    out = tmp_path_factory.mktemp("features")
-    proc = torchrun(HERE, 2, str(out))
+    out = launched(tmp_path_factory, "train_features")  # in_torchrun below, in the "pair" launch (tests/phases.py)
     results: dict[str, Any] = {name: json.loads((out / f"{name}.json").read_text()) for name in RUNS}
-    last = list(RUNS)[-1]
-    results[last]["report"] = proc.stdout[proc.stdout.index("summary: engine="):]  # printed by main()
+    last, stdout = list(RUNS)[-1], stdout_of(out)
+    results[last]["report"] = stdout[stdout.index("summary: engine="):]  # printed by main()
     for claim in ("scaler", "gradients"):
         results[claim] = [json.loads((out / f"{claim}_rank{r}.json").read_text()) for r in range(2)]
     return results
@@ -330,8 +328,3 @@ def in_torchrun(out: Path) -> None:
     # the command line's path: joins the group already there, prints the report, writes --json, leaves the group
     main([*TRAIN, *RUNS[last], "--json", str(out / f"{last}.json")])
 
-
-if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit(f"usage: torchrun --nproc-per-node 2 {HERE.name} OUTDIR")
-    in_torchrun(Path(sys.argv[1]))

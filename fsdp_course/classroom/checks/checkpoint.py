@@ -21,7 +21,6 @@ import inspect
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import textwrap
 import threading
@@ -43,7 +42,7 @@ from fsdp_course.classroom.checks._common import (
     run_checked,
 )
 from fsdp_course.runtime.context import RankContext
-from fsdp_course.runtime.ports import free_port
+from fsdp_course.runtime.launch import start_torchrun, torchrun_command
 from fsdp_course.runtime.simulate import RankError, run_ranks
 
 __all__ = ["check_sharded_checkpoint", "compare_states", "rank_state", "trained_fsdp"]
@@ -255,13 +254,12 @@ def _check_torchrun(check: str, load: Callable, load_name: str, tmp: str) -> Non
     with open(script, "w") as f:
         f.write(_SCRIPT.format(source=source, name=load.__name__, expected=os.path.join(tmp, f"expected_n{n}"),
                                directory=os.path.join(tmp, f"ckpt_n{n}"), reports=reports_dir))
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = start_torchrun(torchrun_command(script, n), cwd=tmp, what=check)
     try:
-        proc = subprocess.run([str(torchrun), "--nproc-per-node", str(n), "--master-addr", "127.0.0.1",
-                               "--master-port", str(free_port()), script], capture_output=True, text=True,
-                              timeout=TORCHRUN_TIMEOUT, env=env, cwd=tmp)
+        proc.communicate(timeout=TORCHRUN_TIMEOUT)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         CheckFailure(check, where, f"torchrun did not finish within {TORCHRUN_TIMEOUT:g} s",
                      f"{load_name} must not wait for anything but the files").fail()
     reports = {}

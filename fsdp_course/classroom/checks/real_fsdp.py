@@ -24,7 +24,6 @@ import inspect
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import textwrap
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from torch import nn
 
 from fsdp_course.classroom.checks._common import CheckFailure, exception_hint, require_callable
 from fsdp_course.runtime.context import RankContext
-from fsdp_course.runtime.ports import free_port
+from fsdp_course.runtime.launch import start_torchrun, torchrun_command
 
 __all__ = ["STEPS", "TOL", "check_fully_shard_units", "course_losses"]
 
@@ -137,13 +136,24 @@ def _structure(check: str, name: str, fn: Callable[..., Any]) -> dict[str, Any]:
 def check_fully_shard_units(fn: Callable[[nn.Module, Any], Any]) -> None:
     """Check `fn(model, mesh)`: fully_shard on every encoder layer, then on the model; trained under torchrun, the
     losses equal the course's FSDP with the same units."""
+    _check(fn, _torchrun)
+
+
+def _check(fn: Callable[[nn.Module, Any], Any], launch: Callable[[str, Callable, str], list[dict[str, Any]]]
+           ) -> None:
+    """The check, with `launch(check, fn, name)` giving every process's report (the test suite replays runs made in
+    its own launch)."""
     check = "check_fully_shard_units"
     name = require_callable(check, fn, "shard_like_course")
     where = "fully_shard's calls, recorded in this process"
     report = _structure(check, name, fn)
     if report["recorded"]:  # else (fully_shard under another name) torchrun's run tells
         _judge_structure(check, where, report)
-    runs = _torchrun(check, fn, name)
+    _verdict(check, launch(check, fn, name))
+
+
+def _verdict(check: str, runs: list[dict[str, Any]]) -> None:
+    """Judge what every torchrun process reported (`run_in_process`), then print what passed."""
     _judge_run(check, runs)
     ours = course_losses()
     theirs = [sum(r["losses"][s] for r in runs) / len(runs) for s in range(STEPS)]
@@ -199,46 +209,61 @@ def _judge_structure(check: str, where: str, report: dict[str, Any]) -> None:
                      "as well", "the course's units are the encoder layers and the root, nothing else").fail()
 
 
-_SCRIPT = '''\
-import json, os, sys, traceback
+# What each torchrun process runs: the learner's source in a namespace holding only these imports, then
+# `run_in_process`; its report goes to rank{r}.json in the launch's folder.
+_IMPORTS = """\
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from fsdp_course.classroom.checks.real_fsdp import STEPS, _batch, _model
-from fsdp_course.engines.torch_fsdp import count_collectives
+"""
+_SCRIPT = """\
+import json, os, sys
+from fsdp_course.classroom.checks.real_fsdp import run_in_process
 from fsdp_course.runtime.context import RankContext
 
-torch.set_num_threads(1)
-
-{source}
-
 ctx = RankContext.from_env()
-report = {{}}
-try:
-    model = _model()
-    {name}(model, DeviceMesh.from_group(ctx.group, "cpu"))
-    report["units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    ctx.ledger.clear()
-    with count_collectives(ctx):
-        for step in range(STEPS):
-            x, y = _batch(step, ctx.rank, ctx.world_size)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-    ops = [r.op for r in ctx.ledger.records]
-    report.update(losses=losses, all_gathers=ops.count("all_gather"), reduce_scatters=ops.count("reduce_scatter"))
-except Exception as exc:
-    report["error"] = f"{{type(exc).__name__}}: {{exc}}"
-with open(os.path.join({reports!r}, f"rank{{ctx.rank}}.json"), "w") as f:
+report = run_in_process(sys.argv[1], sys.argv[2], ctx)
+with open(os.path.join(sys.argv[3], f"rank{ctx.rank}.json"), "w") as f:
     json.dump(report, f)
-'''
+"""
+
+
+def run_in_process(source: str, name: str, ctx: RankContext) -> dict[str, Any]:
+    """In one process of a real world: define `name` from `source` among `_IMPORTS` alone (what a fresh process
+    has), shard the small Transformer with it and train `STEPS` AdamW steps on this rank's slice; the units, losses
+    and collectives it saw, or the error it raised."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp_course.engines.torch_fsdp import count_collectives
+
+    torch.set_num_threads(1)
+    report: dict[str, Any] = {}
+    try:
+        namespace: dict[str, Any] = {}
+        exec(_IMPORTS + source, namespace)  # noqa: S102  (the learner's own function, as a fresh process runs it)
+        model = _model()
+        namespace[name](model, DeviceMesh.from_group(ctx.group, "cpu"))
+        report["units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        ctx.ledger.clear()
+        with count_collectives(ctx):
+            for step in range(STEPS):
+                x, y = _batch(step, ctx.rank, ctx.world_size)
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+        ops = [r.op for r in ctx.ledger.records]
+        report.update(losses=losses, all_gathers=ops.count("all_gather"), reduce_scatters=ops.count("reduce_scatter"))
+    except Exception as exc:  # noqa: BLE001  (reported to the checker, which names it)
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    return report
 
 
 def _torchrun(check: str, fn: Callable[..., Any], name: str) -> list[dict[str, Any]]:
@@ -250,14 +275,14 @@ def _torchrun(check: str, fn: Callable[..., Any], name: str) -> list[dict[str, A
                      "define it in a notebook cell or a .py file: torchrun's processes run its source").fail()
     with tempfile.TemporaryDirectory(prefix="fsdp_course_fully_shard_") as tmp:
         script = os.path.join(tmp, "fully_shard_under_torchrun.py")
-        Path(script).write_text(_SCRIPT.format(source=source, name=fn.__name__, reports=tmp))
-        torchrun = Path(sys.executable).with_name("torchrun")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp}
+        Path(script).write_text(_SCRIPT)
+        cmd = torchrun_command(script, WORLD_SIZE, source, fn.__name__, tmp)
+        proc = start_torchrun(cmd, env={**os.environ, "TMPDIR": tmp}, cwd=tmp, what=check)
         try:
-            proc = subprocess.run([str(torchrun), "--nproc-per-node", str(WORLD_SIZE), "--master-addr", "127.0.0.1",
-                                   "--master-port", str(free_port()), script], capture_output=True, text=True,
-                                  timeout=TORCHRUN_TIMEOUT, env=env, cwd=tmp)
+            _, stderr = proc.communicate(timeout=TORCHRUN_TIMEOUT)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
             CheckFailure(check, where, f"torchrun did not finish within {TORCHRUN_TIMEOUT:g} s",
                          f"{name} must only call fully_shard").fail()
         runs = []
@@ -266,7 +291,7 @@ def _torchrun(check: str, fn: Callable[..., Any], name: str) -> list[dict[str, A
             if not path.exists():
                 CheckFailure(check, where, f"rank {rank}'s process reported nothing (torchrun exit code "
                              f"{proc.returncode})", f"{name} runs in a fresh process: it may use only its arguments, "
-                             "torch and fully_shard", proc.stderr.strip().splitlines()[-6:]).fail()
+                             "torch and fully_shard", stderr.strip().splitlines()[-6:]).fail()
             runs.append(json.loads(path.read_text()))
     return runs
 
