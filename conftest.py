@@ -1,8 +1,13 @@
-"""Test-session settings: one intra-op thread per process, nbval's kernels on Unix sockets, the Chinese notebooks
-left to tests/test_translations.py.
+"""Test-session settings: one intra-op thread per process, nbval's kernels on Unix sockets (and, with
+`--notebook-numerics=portable`, under another machine's numerics), the Chinese notebooks left to
+tests/test_translations.py, and the count of torchrun launches.
 
-At the repository root so that it applies to every pytest run, also `pytest --nbval lessons solutions` alone
-(the portability pass of `make test`), not only to runs that collect tests/.
+At the repository root so that it applies to every pytest run, also `pytest --nbval lessons solutions` alone,
+not only to runs that collect tests/.
+
+`make test` is one pytest run: the unit tests under this CPU's kernels and nbval's notebook kernels under the
+environment of tests/portable.py, checked once before anything runs (both in one run, so two workers stay busy to
+the end instead of waiting for the slowest file of each of two runs).
 
 Rank threads share torch's intra-op thread pool; with two pytest workers on two cores, extra
 intra-op threads only fight each other (a one-process reference run went from 0.07 s to 2.6 s).
@@ -14,10 +19,13 @@ to kernel_info"). Kernels started here use `ipc` sockets instead (fsdp_course.ru
 """
 
 import os
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import nbval.kernel
+import pytest
 import torch
 from jupyter_client.manager import KernelManager
 
@@ -27,9 +35,17 @@ from fsdp_course.runtime.ports import kernel_transport, remove_kernel_dir
 torch.set_num_threads(1)
 
 
+_KERNEL_ENV: dict[str, str] = {}  # added to the environment of nbval's kernels (--notebook-numerics=portable)
+
+
 class _SocketFileKernelManager(KernelManager):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**{**kernel_transport(), **kwargs})
+
+    def start_kernel(self, **kwargs: object) -> None:
+        if _KERNEL_ENV:
+            kwargs["env"] = {**os.environ, **_KERNEL_ENV, **kwargs.get("env", {})}  # type: ignore[dict-item]
+        super().start_kernel(**kwargs)
 
 
 nbval.kernel.KernelManager = _SocketFileKernelManager  # read by nbval.kernel.start_new_kernel at each start
@@ -39,9 +55,27 @@ nbval.kernel.KernelManager = _SocketFileKernelManager  # read by nbval.kernel.st
 collect_ignore_glob = ["lessons/zh/*", "exercises/zh/*"]
 
 
-def pytest_configure(config: object) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--notebook-numerics", choices=("native", "portable"), default="native",
+                     help="run nbval's notebook kernels under this CPU's kernels (native) or under another machine's "
+                          "numerics (portable: tests/portable.py, checked first)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--notebook-numerics") == "portable":
+        sys.path.insert(0, str(Path(__file__).parent / "tests"))
+        import portable
+
+        env = portable.portable_env()
+        if not hasattr(config, "workerinput"):  # once, before the workers start
+            problems = portable.check(env)
+            if problems:
+                pytest.exit(portable.refusal(env, problems), returncode=3)
+        _KERNEL_ENV.update(env)
     # every torchrun launch of this run (tests, the checkers they call, notebooks' kernels) appends a line to one
     # file; set before xdist starts its workers, which inherit it
+    if not hasattr(config, "workerinput") and "FSDP_COURSE_PHASES_DIR" not in os.environ:
+        os.environ["FSDP_COURSE_PHASES_DIR"] = tempfile.mkdtemp(prefix="fsdp_course_phases_")  # tests/phases.py
     if not hasattr(config, "workerinput") and LAUNCH_LOG not in os.environ:
         fd, path = tempfile.mkstemp(prefix="fsdp_course_launches_", suffix=".tsv")
         os.close(fd)
@@ -49,7 +83,21 @@ def pytest_configure(config: object) -> None:
         config._fsdp_course_launch_log = path  # type: ignore[attr-defined]
 
 
-def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: object) -> None:
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # the whole suite (tests/ among the paths, or no paths): its torchrun launches start now, in the background of
+    # the controller, and the tests read their phases when they get there (tests/phases.py)
+    config = session.config
+    if hasattr(config, "workerinput"):
+        return
+    args = [Path(a).resolve() for a in config.args] or [Path(__file__).parent / "tests"]
+    if Path(__file__).parent.joinpath("tests").resolve() in args:
+        sys.path.insert(0, str(Path(__file__).parent / "tests"))
+        import phases
+
+        config._fsdp_course_phases = phases.start_all(Path(os.environ[phases.SHARED]))  # type: ignore[attr-defined]
+
+
+def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: pytest.Config) -> None:
     path = getattr(config, "_fsdp_course_launch_log", None)
     if path is None:
         return
@@ -63,5 +111,11 @@ def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: o
     Path(path).unlink(missing_ok=True)
 
 
-def pytest_unconfigure(config: object) -> None:
+def pytest_unconfigure(config: pytest.Config) -> None:
     remove_kernel_dir()  # the kernels' socket directory: xdist's workers skip atexit
+    if getattr(config, "_fsdp_course_phases", None) is not None:
+        import phases
+
+        phases.stop_all()  # a run stopped early (-x, Ctrl-C) leaves no torchrun behind
+    if not hasattr(config, "workerinput") and os.environ.get("FSDP_COURSE_PHASES_DIR"):
+        shutil.rmtree(os.environ.pop("FSDP_COURSE_PHASES_DIR"), ignore_errors=True)

@@ -5,8 +5,9 @@
 A phase is a function `phase(out)` of a test module, run on every rank inside one process group (joined once by this
 runner; `destroy_process_group` waits for the end of the launch). It writes what its tests assert into `out`
 (BASE/PHASE); its stdout goes to `out/stdout_rank{r}.txt`. A phase that raises writes `out/error_rank{r}.txt` and
-ends the launch: its tests, and those of the phases after it, fail naming it. Each launch runs once per test session,
-whichever pytest worker asks first (the others wait for it under a file lock and read its files).
+ends the launch: its tests, and those of the phases after it, fail naming it. Each launch runs once per test session:
+the whole suite starts them all in the background at its start (conftest.py), and a test that needs a launch not yet
+run runs it itself; the others wait for it under a file lock and read its files.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import contextlib
 import datetime
 import importlib
 import os
+import subprocess
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -75,13 +78,50 @@ def run_phases(base: Path, names: list[str]) -> None:
 
 
 # -- in the test session -----------------------------------------------------------------------------------------
+SHARED = "FSDP_COURSE_PHASES_DIR"  # set by conftest.py for the whole run, which then starts every launch early
+_RUNNING: list[subprocess.Popen] = []  # the launches this process started, stopped at the end of the session
+
+
 def _shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One folder for the whole session: the xdist workers of one run share it, other runs do not."""
+    if os.environ.get(SHARED):
+        return Path(os.environ[SHARED])
     base = tmp_path_factory.getbasetemp()
     uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     root = base.parent / f"phases-{uid}" if uid else base / "phases"
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def _run_once(name: str, base: Path) -> None:
+    """Launch `name` unless this session already did (whoever comes first runs it; the others wait for it)."""
+    import fcntl
+
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (base / f"{name}.log").exists():
+            _launch(name, base)
+
+
+def start_all(base: Path) -> threading.Thread:
+    """Run every launch in order in a background thread, from the start of the session (conftest.py), so that no
+    test waits for one it could have had ready; a test that gets there first runs its launch itself."""
+    def run() -> None:
+        for name in LAUNCHES:
+            try:
+                _run_once(name, base)
+            except BaseException:  # noqa: BLE001  (pytest.fail in a thread: the tests read the log, or launch again)
+                pass
+
+    thread = threading.Thread(target=run, name="fsdp_course-launches", daemon=True)
+    thread.start()
+    return thread
+
+
+def stop_all() -> None:
+    for proc in _RUNNING:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def _launch(name: str, base: Path) -> None:
@@ -99,6 +139,7 @@ def _launch(name: str, base: Path) -> None:
         port = free_port()
         cmds = [torchrun_command(script, nproc, *args, nodes=(k, nodes, port)) for k in range(nodes)]
     procs = [start_torchrun(cmd, env=env, what=f"phases {name}: {' '.join(names)}") for cmd in cmds]
+    _RUNNING.extend(procs)
     done = [finish(p, TIMEOUT, f"launch {name!r}") for p in procs]
     (base / f"{name}.log").write_text("\n".join(f"node {k}: exit {rc}\n{out[-3000:]}\n{err[-6000:]}"
                                                 for k, (rc, out, err) in enumerate(done)))
@@ -107,15 +148,10 @@ def _launch(name: str, base: Path) -> None:
 def launched(tmp_path_factory: pytest.TempPathFactory, phase: str) -> Path:
     """The folder of `phase`'s results, its launch run first if no worker of this session has run it yet; fails the
     test with the phase's traceback (or its launch's output) when the phase did not finish on every rank."""
-    import fcntl
-
     base = _shared_dir(tmp_path_factory)
     name = next(n for n, (_, _, names) in LAUNCHES.items() if phase in names)
     for needed in (*AFTER.get(name, []), name):
-        with open(base / f"{needed}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            if not (base / f"{needed}.log").exists():
-                _launch(needed, base)
+        _run_once(needed, base)
     nodes, nproc, _ = LAUNCHES[name]
     out = base / phase
     errors = sorted(out.glob("error_rank*.txt")) if out.exists() else []

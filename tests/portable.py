@@ -1,7 +1,7 @@
 """Another machine's numerics on this one: the environment of `make test`'s portability pass, checked before use.
 
-    python tests/portable.py COMMAND...    # check the environment, then run COMMAND under it (make test-portable)
-    python tests/portable.py --show        # print it as NAME=VALUE words
+    pytest --notebook-numerics=portable ...   # nbval's kernels under it, checked first (conftest.py; make test)
+    python tests/portable.py                  # print it as NAME=VALUE words, and whether every library believes it
 
 Every library that picks its kernels by CPU is told the same story, an AVX2 machine without AVX-512 or AMX: ATen
 runs its portable kernels, oneDNN stops at AVX2, MKL takes its CPU-independent path, and on x86_64 numpy's own loops
@@ -81,25 +81,17 @@ def check(env: dict[str, str]) -> list[str]:
     return [line for line in proc.stdout.splitlines() if line.strip()]
 
 
-def main(argv: list[str]) -> int:
-    env = portable_env()
-    if argv == ["--show"]:
-        print(" ".join(f"{k}={v!r}" if " " in v else f"{k}={v}" for k, v in env.items()))
-        return 0
-    if not argv:
-        print(__doc__.split("\n\n")[1], file=sys.stderr)
-        return 2
-    problems = check(env)
-    if problems:
-        shown = " ".join(f"{k}={v}" for k, v in env.items())
-        print(f"make test-portable: this machine cannot imitate another CPU's numerics under {shown}: "
-              + "; ".join(problems) + ". Run the first pass alone (it is the one a student's machine gives), and "
-              "report this CPU (lscpu) with the sentence above.", file=sys.stderr)
-        return 3
-    os.environ.update(env)
-    os.execvp(argv[0], argv)
-    return 0  # not reached
+def refusal(env: dict[str, str], problems: list[str]) -> str:
+    """The sentence that stops the run when a library does not believe the story."""
+    shown = " ".join(f"{k}={v}" for k, v in env.items())
+    return (f"The portability pass cannot imitate another CPU's numerics on this machine under {shown}: "
+            + "; ".join(problems) + ". Run `make test-native` instead (this CPU's own kernels), and report this CPU "
+            "(lscpu) with this sentence.")
 
 
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+if __name__ == "__main__":  # python tests/portable.py: the environment as NAME=VALUE words, and whether it holds
+    found = portable_env()
+    print(" ".join(f"{k}={v!r}" if " " in v else f"{k}={v}" for k, v in found.items()))
+    trouble = check(found)
+    print(refusal(found, trouble) if trouble else "consistent: every library believes it")
+    raise SystemExit(3 if trouble else 0)

@@ -25,6 +25,32 @@ def test_the_check_names_a_library_told_another_story() -> None:
     assert portable.check(env) == ["ATen runs its AVX2 kernels, not the portable ones"]
 
 
-def test_make_test_portable_runs_through_the_check() -> None:
-    recipe = (ROOT / "Makefile").read_text().split("\ntest-portable:", 1)[1].split("\n\n", 1)[0]
-    assert "tests/portable.py $(BIN)/python -m pytest" in recipe
+def test_make_test_runs_the_notebooks_under_it() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
+    assert "--notebook-numerics=portable" in recipe and "lessons solutions" in recipe
+
+
+def test_nbvals_kernels_start_under_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # what --notebook-numerics=portable sets (conftest.py): the kernel process itself is started with it
+    import nbval.kernel
+
+    import conftest
+
+    monkeypatch.setitem(conftest._KERNEL_ENV, "ATEN_CPU_CAPABILITY", "default")
+    kernel = nbval.kernel.RunningKernel("python3", cwd=str(ROOT))
+    try:
+        msg_id = kernel.execute_cell_input("import torch; print(torch.backends.cpu.get_cpu_capability())",
+                                           allow_stdin=False)
+        printed = ""
+        while True:
+            msg = kernel.get_message(stream="iopub", timeout=60)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "stream":
+                printed += msg["content"]["text"]
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+    finally:
+        kernel.stop()
+    assert printed.strip() == "DEFAULT"
