@@ -32,6 +32,9 @@ from jupyter_client.manager import KernelManager
 from fsdp_course.runtime.launch import LAUNCH_LOG, count_launches
 from fsdp_course.runtime.ports import kernel_transport, remove_kernel_dir
 
+sys.path.insert(0, str(Path(__file__).parent / "tests"))  # the suite's helpers: phases, portable, launch
+from phases import SHARED  # noqa: E402
+
 torch.set_num_threads(1)
 
 
@@ -63,7 +66,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--notebook-numerics") == "portable":
-        sys.path.insert(0, str(Path(__file__).parent / "tests"))
         import portable
 
         env = portable.portable_env()
@@ -74,8 +76,8 @@ def pytest_configure(config: pytest.Config) -> None:
         _KERNEL_ENV.update(env)
     # every torchrun launch of this run (tests, the checkers they call, notebooks' kernels) appends a line to one
     # file; set before xdist starts its workers, which inherit it
-    if not hasattr(config, "workerinput") and "FSDP_COURSE_PHASES_DIR" not in os.environ:
-        os.environ["FSDP_COURSE_PHASES_DIR"] = tempfile.mkdtemp(prefix="fsdp_course_phases_")  # tests/phases.py
+    if not hasattr(config, "workerinput") and SHARED not in os.environ:
+        os.environ[SHARED] = tempfile.mkdtemp(prefix="fsdp_course_phases_")  # the launches' folder: tests/phases.py
     if not hasattr(config, "workerinput") and LAUNCH_LOG not in os.environ:
         fd, path = tempfile.mkstemp(prefix="fsdp_course_launches_", suffix=".tsv")
         os.close(fd)
@@ -91,7 +93,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         return
     args = [Path(a).resolve() for a in config.args] or [Path(__file__).parent / "tests"]
     if Path(__file__).parent.joinpath("tests").resolve() in args:
-        sys.path.insert(0, str(Path(__file__).parent / "tests"))
         import phases
 
         config._fsdp_course_phases = phases.start_all(Path(os.environ[phases.SHARED]))  # type: ignore[attr-defined]
@@ -117,5 +118,5 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         import phases
 
         phases.stop_all()  # a run stopped early (-x, Ctrl-C) leaves no torchrun behind
-    if not hasattr(config, "workerinput") and os.environ.get("FSDP_COURSE_PHASES_DIR"):
-        shutil.rmtree(os.environ.pop("FSDP_COURSE_PHASES_DIR"), ignore_errors=True)
+    if not hasattr(config, "workerinput") and os.environ.get(SHARED):
+        shutil.rmtree(os.environ.pop(SHARED), ignore_errors=True)

@@ -12,7 +12,7 @@ import pytest
 from fsdp_course.runtime.launch import start_torchrun, torchrun_command
 
 
-def finish(proc: subprocess.Popen, timeout: float, what: str) -> tuple[int, str, str]:
+def finish(proc: subprocess.Popen, timeout: float = 150, what: str = "the process") -> tuple[int, str, str]:
     """Wait for a started process; fail the test (with the end of its output) when it outlives `timeout`."""
     try:
         out, err = proc.communicate(timeout=timeout)

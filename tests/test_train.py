@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import finish
 from phases import launched, stdout_of
 
 from fsdp_course.runtime.ports import free_port
@@ -34,16 +35,6 @@ TRAIN = ["-m", "fsdp_course.train", "--config", "small", "--steps", str(STEPS), 
 
 def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or ENV)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s:\n{out[-2000:]}\n{err[-3000:]}")
-    return proc.returncode, out, err
 
 
 def phase_torch(out: Path) -> None:  # in each process of the "pair" launch (tests/phases.py)

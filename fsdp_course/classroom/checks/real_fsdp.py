@@ -65,6 +65,20 @@ def _batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.T
     return tokens[mine], labels[mine]
 
 
+def _train(model: nn.Module, ctx: RankContext) -> list[torch.Tensor]:
+    """`STEPS` AdamW steps of a sharded model on this rank's slice of each global batch: this rank's losses."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # our FSDP's parameters() are its shards
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step, ctx.rank, ctx.world_size)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
 def course_losses(world_size: int = WORLD_SIZE) -> list[float]:
     """The course's FSDP, one unit per layer, root kept gathered as fully_shard keeps it: loss per step, mean over
     the ranks."""
@@ -77,16 +91,7 @@ def course_losses(world_size: int = WORLD_SIZE) -> list[float]:
         import copy
 
         fsdp = FSDP(copy.deepcopy(model), ctx, wrap={nn.TransformerEncoderLayer}, reshard_root_after_forward=False)
-        opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
-        losses = []
-        for step in range(STEPS):
-            x, y = _batch(step, ctx.rank, ctx.world_size)
-            loss = F.cross_entropy(fsdp(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        return [ctx.all_reduce(loss.clone(), op="mean").item() for loss in losses]
+        return [ctx.all_reduce(loss.clone(), op="mean").item() for loss in _train(fsdp, ctx)]
 
     return run_ranks(body, world_size)[0]
 
@@ -248,17 +253,9 @@ def run_in_process(source: str, name: str, ctx: RankContext) -> dict[str, Any]:
         model = _model()
         namespace[name](model, DeviceMesh.from_group(ctx.group, "cpu"))
         report["units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses = []
         ctx.ledger.clear()
         with count_collectives(ctx):
-            for step in range(STEPS):
-                x, y = _batch(step, ctx.rank, ctx.world_size)
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(loss.item())
+            losses = [loss.item() for loss in _train(model, ctx)]
         ops = [r.op for r in ctx.ledger.records]
         report.update(losses=losses, all_gathers=ops.count("all_gather"), reduce_scatters=ops.count("reduce_scatter"))
     except Exception as exc:  # noqa: BLE001  (reported to the checker, which names it)
