@@ -9,6 +9,7 @@ top to bottom, and an unsolved exercise scores 0. Every solution/exercise pair i
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
@@ -119,17 +120,35 @@ def test_checker_cells_import_their_own_checker(solution: Path) -> None:
             assert cell.source.startswith("from fsdp_course.classroom.checks import "), cell.id
 
 
-def _execute(path: Path) -> nbformat.NotebookNode:
-    nb = nbformat.read(path, as_version=4)
+RESET = ("%reset -f\n"  # a fresh namespace: what a new kernel gives, without starting one per notebook
+         "import os, matplotlib.pyplot\n"
+         f"matplotlib.pyplot.close('all'); os.chdir({str(ROOT)!r})")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[KernelManager]:
+    """One kernel for every stub notebook, its namespace reset before each (torch and the course are imported once:
+    17 kernel starts were a minute of the suite)."""
     km = KernelManager(kernel_name=CURRENT_ENV_KERNEL_NAME, kernel_spec_manager=NbvalKernelspecManager(),
                        **kernel_transport())
-    NotebookClient(nb, km=km, allow_errors=True, timeout=240, resources={"metadata": {"path": str(ROOT)}}).execute()
+    km.start_kernel(cwd=str(ROOT))
+    yield km
+    km.shutdown_kernel(now=True)
+
+
+def _execute(path: Path, km: KernelManager) -> nbformat.NotebookNode:
+    nb = nbformat.read(path, as_version=4)
+    reset = nbformat.v4.new_code_cell(RESET)
+    run = nbformat.v4.new_notebook(cells=[reset, *nb.cells], metadata=nb.metadata)
+    NotebookClient(run, km=km, allow_errors=True, timeout=240, resources={"metadata": {"path": str(ROOT)}}).execute()
+    assert not [o for o in reset.outputs if o.output_type == "error"], reset.outputs
     return nb
 
 
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda p: p.name)
-def test_unsolved_exercise_fails_only_in_its_checkers_with_not_implemented(exercise: Path) -> None:
-    nb = _execute(exercise)
+def test_unsolved_exercise_fails_only_in_its_checkers_with_not_implemented(exercise: Path, kernel: KernelManager
+                                                                          ) -> None:
+    nb = _execute(exercise, kernel)
     grade_cells = [c for c in nb.cells if _nbgrader(c).get("grade") and c.cell_type == "code"]
     assert grade_cells, "an exercise needs at least one checker (grade) cell"
     for cell in nb.cells:
