@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fsdp_course.holders import holder
+
 __all__ = ["DEFAULT_TARGETS", "LoRALinear", "add_lora", "lora_modules", "merge_lora", "remove_lora"]
 
 DEFAULT_TARGETS = ("linear1", "linear2")  # nn.TransformerEncoderLayer's feed-forward
@@ -86,6 +88,9 @@ def _check_rank_alpha(rank: int, alpha: float) -> None:
         raise ValueError(f"rank must be a positive integer, got {rank!r}")
     if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and math.isfinite(alpha)):
         raise ValueError(f"alpha must be a finite number, got {alpha!r}")
+    if alpha == 0:
+        raise ValueError("alpha=0 scales the adapters' output by alpha / rank = 0: they would change nothing and get "
+                         "zero gradients, so nothing would train. Use alpha = rank (scale 1) or 2 * rank")
 
 
 def _check(base: nn.Module, rank: int, alpha: float) -> None:
@@ -120,9 +125,17 @@ def add_lora(model: nn.Module, *, rank: int, alpha: float, targets: str | Iterab
     A module matches a target when its qualified name is the target or ends with "." + target ("linear1" matches
     "encoder.layers.0.linear1"). Every target must match at least one module, each an `nn.Linear` outside any
     `nn.MultiheadAttention`. Afterwards only the adapters and the parameters of the modules named in `trainable`
-    (matched the same way, e.g. the new task's head "fc") require grad. Raises before changing anything.
+    (matched the same way, e.g. the new task's head "fc") require grad; a second call adds to the first (whose adapters
+    and trainable modules stay trainable). Must come before any wrapping (FSDP, DDP, fully_shard): raises then, as for
+    any bad input, before changing anything.
     """
     _check_rank_alpha(rank, alpha)
+    held = holder(model)
+    if held is not None:
+        raise ValueError(f"add_lora after wrapping: {held}. Adapters added now would be plain parameters outside "
+                         "its shards: drawn differently on every rank, their gradients never averaged, and left out "
+                         "of its state dict. Add them first, then wrap: add_lora(model, ...); fsdp = FSDP(model, "
+                         "ctx, ...); then build the optimizer on fsdp.parameters()")
     targets, trainable = _names("targets", targets), _names("trainable", trainable)
     if not targets:
         raise ValueError("targets is empty: name the nn.Linear modules to adapt, e.g. ('linear1', 'linear2')")
@@ -157,7 +170,8 @@ def add_lora(model: nn.Module, *, rank: int, alpha: float, targets: str | Iterab
         if not matched:
             raise ValueError(f"trainable {name!r} matches no module of this {type(model).__name__}")
         unfrozen += matched
-    model.requires_grad_(False)
+    if not lora_modules(model):  # a second call keeps what the first one left trainable (its adapters, its heads)
+        model.requires_grad_(False)
     for name in chosen:
         _set_submodule(model, name, LoRALinear(modules[name], rank, alpha, generator=generator))
     for module in unfrozen:

@@ -266,11 +266,21 @@ def attach(engine: Any, optimizer: torch.optim.Optimizer | None = None,
 
     `capacity` (bytes per rank, e.g. 64 * 2**20): the device budget. What the engine holds already is
     checked at once (it may raise `DeviceOutOfMemory` here, as moving a model to a full GPU does), then
-    every recorded point."""
-    recorder = MemoryRecorder(engine, optimizer, capacity)
+    every recorded point; past that first check, a budget needs the `optimizer` whose state it counts."""
+    recorder = MemoryRecorder(engine, optimizer, capacity)  # checks `capacity`
+    previous = getattr(engine, "memory_recorder", None)
     engine.memory_recorder = recorder
-    if capacity is not None:
-        recorder.check("attach", recorder.snapshot())
+    try:
+        if capacity is not None:
+            recorder.check("attach", recorder.snapshot())
+            if optimizer is None and "optimizer" not in engine.memory_tensors():
+                raise ValueError(
+                    "a device budget needs the optimizer: attach(engine, optimizer, capacity=...). What the engine "
+                    "holds fits; without the optimizer its state (AdamW: two tensors the size of the parameters) "
+                    "would be left out of every later check (ZeRO1 and ZeRO2 own theirs: they count it themselves)")
+    except BaseException:
+        engine.memory_recorder = previous  # a budget that failed at once records nothing afterwards
+        raise
     return recorder
 
 

@@ -99,6 +99,12 @@ def test_training_continues_as_if_it_never_stopped(results: dict[str, Any], case
     assert step["moved_rel"] > 100 * TOL_PARAMS, step  # the step did move the parameters
 
 
+def test_saving_before_the_first_step_or_inside_a_step_changes_nothing(results: dict[str, Any]) -> None:
+    early = results["save"]["early"]
+    assert early["steps"] == [2.0]  # AdamW's counter after two steps, as if no checkpoint had been taken
+    assert early["equal"] == [], early["equal"]  # the parameters to the bit
+
+
 def test_dim0_chunks_are_torch_chunks() -> None:
     # no torchrun: the cut of a gathered flat parameter, against torch.chunk on dim 0 (empty chunks included)
     import torch
@@ -232,9 +238,11 @@ def worker(phase: str, out: Path) -> None:  # noqa: C901  (one launch, several p
         model = shard_with_fully_shard(build(seed), ctx)
         return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
-    def step(model: nn.Module, opt: torch.optim.Optimizer, i: int, ctx: RankContext, drop: str = "") -> float:
+    def step(model: nn.Module, opt: torch.optim.Optimizer, i: int, ctx: RankContext, drop: str = "",
+             before_step: Any = None) -> float:
         """One step on global batch i (rank r takes its equal slice); returns the global mean loss. `drop`: a
-        parameter whose gradient is dropped before the step (AdamW then skips it: its `step` lags)."""
+        parameter whose gradient is dropped before the step (AdamW then skips it: its `step` lags); `before_step()`
+        runs between backward and the optimizer's step."""
         g = torch.Generator().manual_seed(100 + i)
         x, y = torch.randint(0, 17, (BATCH, 64), generator=g), torch.randint(0, 10, (BATCH,), generator=g)
         rows = slice(ctx.rank * BATCH // ctx.world_size, (ctx.rank + 1) * BATCH // ctx.world_size)
@@ -243,6 +251,8 @@ def worker(phase: str, out: Path) -> None:  # noqa: C901  (one launch, several p
         loss.backward()
         if drop:
             model.get_parameter(drop).grad = None
+        if before_step is not None:
+            before_step()
         opt.step()
         return ctx.all_reduce(loss.detach().reshape(1))[0].item() / ctx.world_size
 
@@ -369,6 +379,15 @@ def worker(phase: str, out: Path) -> None:  # noqa: C901  (one launch, several p
         step(skew, skew_opt, 0, world)
         step(skew, skew_opt, 1, world, drop="fc.bias")
         save_torch(skew, skew_opt, out / "skew2")
+        # a checkpoint taken before the first step, and one between backward and step: nothing else changes
+        plain, plain_opt = ours(world)
+        saving, saving_opt = ours(world)
+        dcp.save(saving, saving_opt, out / "early2")
+        for i in range(2):
+            step(plain, plain_opt, i, world)
+            step(saving, saving_opt, i, world, before_step=lambda i=i: dcp.save(saving, saving_opt, out / f"mid2_{i}"))
+        report["early"] = {"steps": sorted({float(st["step"]) for st in saving_opt.state.values()}),
+                           "equal": diff(full(plain, None), full(saving, None))}
         if rank == 0:
             report["files"] = {f: os.path.getsize(out / "ours2" / f) for f in os.listdir(out / "ours2")}
             (out / "save.json").write_text(json.dumps(report))

@@ -1,6 +1,6 @@
 """`fsdp-course grade` on a class of fixture submissions made here, mostly of exercise 01.
 
-One grading run (module fixture, through the CLI, 2 jobs) grades: a correct notebook, a partly correct one with
+One grading run (module fixture, through the CLI, 3 jobs) grades: a correct notebook, a partly correct one with
 cells moved and removed, an untouched stub, one that raises (and floods its output, and deletes the files in its
 folder), one that hangs (short --timeout), malformed JSON, one whose checker cells were edited, emptied and deleted,
 another exercise saved under 01's name, an empty folder, a saboteur (deletes every gradebook it finds beside its
@@ -200,7 +200,7 @@ def graded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     before = leftovers()
     digest = _package_digest()
     status = cli.main(["grade", str(submissions), "--out", str(out), "--solutions", str(ROOT / "solutions"),
-                       "--timeout", str(TIMEOUT), "--jobs", "2"])
+                       "--timeout", str(TIMEOUT), "--jobs", "3"])
     left = leftovers() - before
     with out.open() as f:
         rows = {row["student"]: row for row in csv.DictReader(f)}
@@ -474,6 +474,8 @@ def test_ctrl_c_and_sigterm_stop_promptly_and_write_what_was_graded(tmp_path: Pa
             assert (folder / "sleeper.pid").exists(), proc.communicate(timeout=60)[0]
             time.sleep(0.5)
             proc.send_signal(signum)
+            time.sleep(0.1)  # a second one while the first is handled (a terminal's Ctrl-C and `timeout`'s)
+            proc.send_signal(signum)
             sent = time.monotonic()
             output = proc.communicate(timeout=60)[0]
             took = time.monotonic() - sent
@@ -499,8 +501,13 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "no solution notebooks" in capsys.readouterr().err
     assert cli.main(["grade", str(tmp_path / "missing"), "--out", str(tmp_path / "g.csv")]) == 2
     assert "is not a folder of student folders" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli.main(["grade", str(tmp_path), "--out", "g.csv", "--timeout", "0"])
+    for value, says in (("0", "must be positive, got 0"), ("nan", "must be a finite number, got nan"),
+                        ("inf", "must be a finite number, got inf")):  # nan and inf: every notebook a timeout
+        with pytest.raises(SystemExit):
+            cli.main(["grade", str(tmp_path), "--out", "g.csv", "--timeout", value])
+        assert says in capsys.readouterr().err
+    with pytest.raises(grading.InputError, match="timeout must be a positive, finite number of seconds, got nan"):
+        grading.grade(tmp_path, tmp_path / "g.csv", solutions=ROOT / "solutions", timeout=float("nan"))
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux's /proc")
@@ -528,3 +535,13 @@ def test_the_default_solutions_are_the_checkouts_from_any_folder(tmp_path: Path,
     found = default_solutions()
     assert found.is_dir() and any(found.glob("*.ipynb")), found
     assert found.resolve() == (Path(__file__).resolve().parents[1] / "solutions")
+
+
+def test_more_jobs_than_the_machine_can_run_are_capped_and_said(tmp_path: Path) -> None:
+    submissions, solutions = _one_student(tmp_path, None)
+    (submissions / "ann" / f"{EX01}.ipynb").write_text("not json")  # graded at once: invalid, no kernel
+    lines: list[str] = []
+    graded = grading.grade(submissions, tmp_path / "g.csv", solutions=solutions, jobs=10_000, log=lines.append)
+    most = 2 * (os.cpu_count() or 1)
+    assert f"10000 jobs is more than this machine can run ({os.cpu_count()} cores): {most} at a time" in lines
+    assert [g.status for g in graded] == ["invalid"]

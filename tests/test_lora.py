@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from phases import launched
 from torch import nn
 
+from fsdp_course import run_ranks
+from fsdp_course.engines.ddp import DDP
 from fsdp_course.engines.equivalence import (
     ADAMW,
     Case,
@@ -106,6 +108,7 @@ def test_the_adapted_model_computes_exactly_the_base_model_at_init(config: Trans
     (dict(rank=1.5, alpha=1.0), ValueError, "rank must be a positive integer, got 1.5"),
     (dict(rank=True, alpha=1.0), ValueError, "rank must be a positive integer, got True"),
     (dict(rank=2, alpha=float("nan")), ValueError, "alpha must be a finite number"),
+    (dict(rank=2, alpha=0), ValueError, "alpha=0 scales the adapters' output by alpha / rank = 0"),
     (dict(rank=9, alpha=1.0), ValueError, "rank 9 exceeds min(in_features, out_features) = 8"),
     (dict(rank=2, alpha=1.0, targets="linear3"), ValueError,
      "target 'linear3' matches no module of this TransformerClassifier; its nn.Linear modules are named "
@@ -131,6 +134,33 @@ def test_adapting_twice_and_adapting_a_non_linear_fail() -> None:
         add_lora(copy.deepcopy(lora), rank=2, alpha=1.0)
     with pytest.raises(TypeError, match="LoRALinear adapts an nn.Linear, got LayerNorm"):
         LoRALinear(nn.LayerNorm(4), 1, 1.0)  # type: ignore[arg-type]
+
+
+def test_a_second_call_adds_adapters_and_keeps_the_first_calls_trainable() -> None:
+    base, _ = models()
+    model = copy.deepcopy(base)
+    add_lora(model, rank=2, alpha=4.0, targets="linear1", trainable="fc")
+    first = {n for n, p in model.named_parameters() if p.requires_grad}
+    add_lora(model, rank=2, alpha=4.0, targets="linear2")
+    now = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert first <= now and any("linear1.lora_A" in n for n in first) and any(n.startswith("fc.") for n in first)
+    assert {n for n in now - first} == {n for n in now if "linear2.lora_" in n} != set()
+
+
+@pytest.mark.parametrize("wrap", ["FSDP", "DDP"])
+def test_adapting_a_wrapped_model_is_refused_with_the_right_order(wrap: str) -> None:
+    base, _ = models()
+
+    def fn(ctx):
+        model = copy.deepcopy(base)
+        engine = FSDP(model, ctx, wrap={nn.TransformerEncoderLayer}) if wrap == "FSDP" else DDP(model, ctx)
+        for target in (engine, model):  # the wrapper, or the model inside it
+            with pytest.raises(ValueError, match=f"add_lora after wrapping: .* is (a|wrapped by) {wrap}") as raised:
+                add_lora(target, rank=2, alpha=4.0, trainable="fc")
+            assert "add_lora(model, ...); fsdp = FSDP(model, ctx, ...)" in str(raised.value)
+        assert not lora_modules(model)
+
+    run_ranks(fn, 2)
 
 
 def test_multihead_attention_never_calls_out_proj() -> None:

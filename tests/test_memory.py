@@ -90,3 +90,16 @@ def test_zero_formula_options():
         zero_formula(10, 2, 4)
     with pytest.raises(ValueError, match="optimizer"):
         zero_formula(10, 2, 0, optimizer="lion")
+
+
+def test_a_budget_without_the_optimizer_is_refused_and_a_failed_attach_detaches():
+    e = ToyEngine()
+    with pytest.raises(ValueError, match=r"a device budget needs the optimizer: attach\(engine, optimizer, capacity"):
+        attach(e, None, capacity=10_000)
+    assert getattr(e, "memory_recorder", None) is None
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(10))])
+    with pytest.raises(torch.OutOfMemoryError):
+        attach(e, opt, capacity=100)  # the engine already holds 1200 bytes
+    assert e.memory_recorder is None  # nothing is recorded, nor checked, afterwards
+    record_event(e, "step")
+    assert e.timeline == []

@@ -211,6 +211,8 @@ def test_bad_arguments_say_what_to_pass():
     model = nn.Linear(2, 2)
     with pytest.raises(TypeError, match="MixedPrecision"):
         MixedPrecision(param_dtype=torch.int8)
+    with pytest.raises(TypeError, match="cast_forward_inputs must be True or False, got 'no'"):
+        MixedPrecision(cast_forward_inputs="no")  # a non-empty string is true: it would cast
     with pytest.raises(RankError, match="prefetch must be the number of units"):
         run_ranks(lambda ctx: FSDP(copy.deepcopy(model), ctx, prefetch=-1), 1)
     with pytest.raises(RankError, match="mp_policy must be a fsdp_course.MixedPrecision"):

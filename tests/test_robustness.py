@@ -9,8 +9,13 @@ import time
 
 import pytest
 import torch
+from torch import nn
 
 from fsdp_course import RankError, run_ranks
+from fsdp_course.engines.ddp import DDP
+from fsdp_course.engines.zero import ZeRO1, ZeRO2
+from fsdp_course.fsdp.api import FSDP
+from fsdp_course.holders import HeldError
 from fsdp_course.runtime.monitor import CollectiveHang
 from fsdp_course.runtime.simulate import _grace
 
@@ -236,3 +241,66 @@ def test_a_checkpoint_a_rank_cannot_write_fails_on_every_rank(tmp_path) -> None:
     assert sorted(info.value.failures) == [0, 1]
     assert "rank(s) [1] could not write their file" in str(info.value.failures[0])
     assert not (target / "metadata.json").exists()
+
+
+ENGINES = {
+    "DDP": lambda m, ctx: DDP(m, ctx),
+    "ZeRO1": lambda m, ctx: ZeRO1(m, ctx, lambda p: torch.optim.SGD(p, lr=0.1)),
+    "ZeRO2": lambda m, ctx: ZeRO2(m, ctx, lambda p: torch.optim.SGD(p, lr=0.1)),
+    "FSDP": lambda m, ctx: FSDP(m, ctx),
+}
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_one_module_wrapped_by_every_rank_is_refused_before_anything_changes(kind: str) -> None:
+    shared = _mlp()  # built once, as in a notebook cell, and wrapped by every rank thread without a copy
+    before = {n: p.detach().clone() for n, p in shared.named_parameters()}
+    with pytest.raises(RankError, match=f"rank [01]'s {kind} already holds this module: the ranks share one module "
+                                        r"object.*Give each rank its own copy: " + kind + r"\(copy.deepcopy\(model\)"):
+        run_ranks(lambda ctx: ENGINES[kind](shared, ctx) and None, 2, timeout=10)
+    if kind != "FSDP":  # the rank that claimed it first wrapped it; it was not changed (one rank: no averaging)
+        assert all(torch.equal(p, before[n]) for n, p in shared.named_parameters())
+
+
+def test_wrapping_twice_or_nesting_is_refused_and_a_later_run_may_wrap_again() -> None:
+    model = _mlp()
+
+    def twice(ctx):
+        ddp = DDP(model, ctx)
+        with pytest.raises(HeldError, match="already wrapped by a DDP on this rank: wrap a model once"):
+            DDP(model, ctx)
+        with pytest.raises(HeldError, match="FSDP around DDP: a model is wrapped once"):
+            FSDP(ddp, ctx)
+        return ddp
+
+    kept = run_ranks(twice, 1)  # the engines live on after their run ...
+    run_ranks(lambda ctx: DDP(model, ctx) and None, 1)  # ... and a later run wraps the same module again
+    assert kept[0].module is model
+
+    fresh = _mlp()
+
+    def fsdp_twice(ctx):
+        fsdp = FSDP(fresh, ctx)
+        with pytest.raises(HeldError, match="FSDP around FSDP: a model is wrapped once"):
+            FSDP(fsdp, ctx)
+        return fsdp
+
+    kept = run_ranks(fsdp_twice, 1)
+    with pytest.raises(RankError, match="was wrapped by an FSDP already: its parameters now live in that FSDP's"):
+        run_ranks(lambda ctx: FSDP(fresh, ctx) and None, 1)  # even in another run: its parameters are gone
+
+
+def test_a_constructor_that_raised_leaves_the_module_free() -> None:
+    model = _mlp()
+
+    def fn(ctx):
+        with pytest.raises(ValueError, match="prefetch must be"):
+            FSDP(model, ctx, prefetch=-1)
+        return FSDP(model, ctx) is not None
+
+    assert run_ranks(fn, 1) == [True]

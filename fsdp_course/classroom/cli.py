@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -27,6 +28,8 @@ def default_solutions() -> Path:
 def _positive(kind: type) -> object:
     def parse(text: str) -> object:
         value = kind(text)
+        if not math.isfinite(value):  # nan and inf compare false with everything: every notebook would time out
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text} (e.g. 600 for ten minutes)")
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
         return value
@@ -56,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--timeout", type=_positive(float), default=180.0,
                        help="seconds for all cells of one notebook (default 180)")
     grade.add_argument("--jobs", type=_positive(int), default=max(1, min(4, (os.cpu_count() or 2) // 2)),
-                       help="notebooks graded at once (default: half the cores, at most 4)")
+                       help="notebooks graded at once (default: half the cores, at most 4; at most twice the cores)")
     exercises = sub.add_parser("exercises", help="regenerate exercises/ from solutions/, or check they are in sync")
     exercises.add_argument("action", choices=("generate", "check"))
     return parser

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import csv
 import html
+import math
 import multiprocessing
 import os
 import re
@@ -239,6 +240,8 @@ def grade(submissions: Path, out: Path, *, solutions: Path, feedback: Path | Non
         raise InputError(f"no solution notebooks in {solutions}/ (pass --solutions)")
     if not Path(submissions).is_dir():
         raise InputError(f"{submissions} is not a folder of student folders")
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise InputError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
     exercises = [p.stem for p in solution_paths]
     found, ignored = discover(Path(submissions), exercises)
     _check_layout(Path(submissions), found, exercises)
@@ -251,6 +254,10 @@ def grade(submissions: Path, out: Path, *, solutions: Path, feedback: Path | Non
         gradebook = gradebook_sql(Path(tmp) / "gradebook.db")
     order = {p.stem: cell_order(p) for p in solution_paths}
     work = [(student, ex, path) for student, notebooks in found.items() for ex, path in notebooks.items()]
+    most = 2 * (os.cpu_count() or 1)  # each notebook's kernel waits about half the time: two per core
+    if jobs > most:
+        log(f"{jobs} jobs is more than this machine can run ({os.cpu_count()} cores): {most} at a time")
+        jobs = most
     log(f"grading {len(work)} notebooks of {len(found)} students, {jobs} at a time, {timeout:g} s each at most")
     results: dict[tuple[str, str], dict[str, Any]] = {}
     style = ""
@@ -366,11 +373,9 @@ def run(args: Any) -> int:
     started = time.monotonic()
     stop, caught = threading.Event(), []
 
-    def on_signal(signum: int, frame: Any) -> None:
-        caught.append(signum)
+    def on_signal(signum: int, frame: Any) -> None:  # the first stops the grading; later ones (a terminal and
+        caught.append(signum)  # `timeout` both send one, a second Ctrl-C) change nothing: what was graded is written
         stop.set()
-        for s, handler in previous.items():  # a second Ctrl-C or SIGTERM stops the grader at once
-            signal.signal(s, handler)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

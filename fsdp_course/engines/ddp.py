@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from fsdp_course.fsdp.flat_param import FlatGrads, FlatParamLayout
+from fsdp_course.holders import holds
 from fsdp_course.hooks import queue_after_backward, weak_method
 from fsdp_course.memory import record_event
 from fsdp_course.runtime.context import RankContext
@@ -68,6 +69,7 @@ class DDP(nn.Module):
     built on them works; `ddp(x)` runs the module's forward.
     """
 
+    @holds()
     def __init__(self, module: nn.Module, ctx: RankContext) -> None:
         super().__init__()
         self.module = module

@@ -65,6 +65,7 @@ from torch import nn
 
 from fsdp_course.engines.ddp import broadcast_module
 from fsdp_course.fsdp.flat_param import FlatGrads, FlatParamLayout, flatten_params
+from fsdp_course.holders import holds
 from fsdp_course.hooks import queue_after_backward, weak_method
 from fsdp_course.memory import optimizer_tensors, record_event
 from fsdp_course.runtime.context import RankContext
@@ -149,6 +150,7 @@ class ZeRO1(_ZeRO):
 
     stage = 1
 
+    @holds()
     def __init__(self, module: nn.Module, ctx: RankContext, optimizer_factory: OptimizerFactory) -> None:
         broadcast_module(module, ctx)
         by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
@@ -178,6 +180,7 @@ class ZeRO2(_ZeRO):
 
     stage = 2
 
+    @holds()
     def __init__(self, module: nn.Module, ctx: RankContext, optimizer_factory: OptimizerFactory,
                  *, bucket_numel: int = 4096) -> None:
         broadcast_module(module, ctx)

@@ -49,6 +49,7 @@ from fsdp_course.fsdp.common import ShardedState, TrainingState, sharded_away
 from fsdp_course.fsdp.flat_param import CopyCounter, FlatParamHandle, FlatParamLayout, OffloadPolicy, check_same_dtype
 from fsdp_course.fsdp.param_group import CommContext, FSDPUnit, Span
 from fsdp_course.fsdp.policy import MixedPrecision, cast_floating
+from fsdp_course.holders import holds
 from fsdp_course.hooks import queue_after_backward, register_grad_hooks
 from fsdp_course.memory import HOST, record_event
 
@@ -107,6 +108,7 @@ class FSDP(nn.Module):
     unit's backward is over; a backward that raised is forgotten at the next forward.
     """
 
+    @holds(consumes=True)
     def __init__(self, module: nn.Module, ctx: Any, *, wrap: set[type[nn.Module]] | None = None,
                  init: Callable[[nn.Module], Iterable[tuple[str, dict[str, torch.Tensor]]]] | None = None,
                  reshard_after_forward: bool = True, reshard_root_after_forward: bool = True,

@@ -157,7 +157,9 @@ def _flat_params_of(fsdp: FSDP, optimizer: torch.optim.Optimizer) -> dict[int, F
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Give an optimizer that has never stepped its state (zeros), as torch's state_dict.py `_init_optim_state`
-    does: one step with zero gradients and lr 0, which moves no parameter. Gradients already there are kept."""
+    does: one step with zero gradients and lr 0, which moves no parameter; then its step counters are set back to 0
+    (torch leaves them at 1: Adam's bias correction of every later step would shift). Gradients already there are
+    kept."""
     if optimizer.state:
         return
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
@@ -170,6 +172,9 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             if "lr" in g:
                 g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
         optimizer.step()
+        for state in optimizer.state.values():  # the state a first step starts from: no step taken yet
+            if "step" in state:
+                state["step"] = state["step"].zero_() if isinstance(state["step"], torch.Tensor) else 0
     finally:
         for g, lr in zip(optimizer.param_groups, lrs, strict=True):
             if lr is not None:
@@ -214,12 +219,17 @@ def optimizer_state_dict(fsdp: FSDP, optimizer: torch.optim.Optimizer,
     (as torch does)."""
     mesh = mesh or device_mesh(fsdp)
     handles = _flat_params_of(fsdp, optimizer)
+    fresh = not optimizer.state
     init_optimizer_state(optimizer)
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     state: dict[str, dict[str, Any]] = {}
-    for h in fsdp.handles:  # every rank in the same order: the gathers are collectives
-        flat_state = optimizer.state.get(h.shard, {}) if id(h.shard) in held else {}
-        state.update(_per_param_state(h, flat_state, lambda value, h=h: _cut(fsdp, h, value, mesh)))
+    try:
+        for h in fsdp.handles:  # every rank in the same order: the gathers are collectives
+            flat_state = optimizer.state.get(h.shard, {}) if id(h.shard) in held else {}
+            state.update(_per_param_state(h, flat_state, lambda value, h=h: _cut(fsdp, h, value, mesh)))
+    finally:
+        if fresh:  # copies were taken: the optimizer is left as it was, its first step builds its own state
+            optimizer.state.clear()
     groups = _param_groups(optimizer, handles)
     return {"state": state, "param_groups": groups}
 

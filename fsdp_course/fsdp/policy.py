@@ -45,6 +45,9 @@ class MixedPrecision:
             if value is not None and value not in _FLOATS:
                 raise TypeError(f"MixedPrecision: {name} must be a floating-point torch.dtype such as "
                                 f"torch.bfloat16 or torch.float32 (or None), got {value!r}")
+        if not isinstance(self.cast_forward_inputs, bool):  # a string such as 'no' would be true
+            raise TypeError(f"MixedPrecision: cast_forward_inputs must be True or False, got "
+                            f"{self.cast_forward_inputs!r}")
 
     def gather_dtype(self, shard_dtype: torch.dtype) -> torch.dtype:
         """The dtype of the all-gather and of the unsharded parameters."""
