@@ -42,6 +42,7 @@ __all__ = [
 NUM_PIXELS = 64  # 8x8 image, flattened row by row
 NUM_GREY_LEVELS = 17  # pixel values 0..16: the token vocabulary
 NUM_CLASSES = 10
+NUM_IMAGES = 1797  # scikit-learn's digits
 
 
 def _bundled_csv() -> Path | None:

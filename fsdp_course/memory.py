@@ -158,6 +158,9 @@ class MemoryRecorder:
 
     def __init__(self, engine: Any, optimizer: torch.optim.Optimizer | None = None,
                  capacity: int | None = None) -> None:
+        if not callable(getattr(engine, "memory_tensors", None)):
+            raise TypeError(f"attach takes an engine (DDP, ZeRO1, ZeRO2, FSDP), got a {type(engine).__name__}, which "
+                            "has no memory_tensors(): wrap the model first, e.g. attach(FSDP(model, ctx), optimizer)")
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
             raise ValueError(f"capacity must be a number of bytes (an int >= 0, e.g. 64 * 2**20), got {capacity!r}")
         self.engine = engine

@@ -71,7 +71,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_course.data import train_test_split_digits
+from fsdp_course.data import NUM_IMAGES, train_test_split_digits
 from fsdp_course.fsdp.meta_init import init_weights, materialize
 from fsdp_course.models import TransformerClassifier, TransformerConfig, count_parameters
 from fsdp_course.runtime.context import RankContext
@@ -83,6 +83,31 @@ ENGINES = ("ours", "torch", "ddp")
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --mixed-precision: the compute dtype
 CONFIGS: dict[str, Callable[[], TransformerConfig]] = {"small": TransformerConfig.small,
                                                        "article": TransformerConfig.article}
+TRAIN_IMAGES = NUM_IMAGES - round(NUM_IMAGES * 0.2)  # train_test_split_digits' default split: 1438
+
+
+def _writable_file(p: argparse.ArgumentParser, option: str, path: Path | None) -> None:
+    """A file rank 0 will write at the end: refused now, before any training, if it cannot be written."""
+    if path is None:
+        return
+    if path.is_dir():
+        p.error(f"{option} {path} is a folder: name the file to write, e.g. {option} {path / 'summary.json'}")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        p.error(f"{option} {path}: the folder {folder} does not exist: create it, or name a file in an existing one")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        p.error(f"{option} {path} cannot be written (permissions): name a file you can write")
+
+
+def _writable_folder(p: argparse.ArgumentParser, option: str, path: Path | None) -> None:
+    """A folder rank 0 will create (if needed) and write into at the end: checked now."""
+    if path is None:
+        return
+    if path.exists() and not path.is_dir():
+        p.error(f"{option} {path} is a file: it names the folder to save model.pt and meta.json in")
+    existing = next(q for q in (path, *path.parents) if q.exists())  # the folder that exists, or one above
+    if not os.access(existing, os.W_OK):
+        p.error(f"{option} {path} cannot be written ({existing} is not writable): name a folder you can write")
 
 
 def positive_int(text: str) -> int:
@@ -134,6 +159,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="split each rank's slice of the batch into K micro-batches, gradients synced on the "
                         "last only (the global batch and the losses stay those of K=1)")
     args = p.parse_args(argv)
+    _writable_file(p, "--json", args.json)
+    _writable_folder(p, "--checkpoint", args.checkpoint)
+    if args.batch_size > TRAIN_IMAGES:
+        p.error(f"--batch-size {args.batch_size} is larger than the training set ({TRAIN_IMAGES} images): "
+                f"use at most {TRAIN_IMAGES}")
     if args.engine == "ddp" and args.mixed_precision:
         p.error(f"--mixed-precision {args.mixed_precision} needs a sharded engine: DDP (the course's, as torch's "
                 "DistributedDataParallel) has no parameter-dtype policy. Use --engine ours or --engine torch "
@@ -424,18 +454,24 @@ def train(args: argparse.Namespace, ctx: RankContext) -> dict[str, Any]:
         "peak_rss_bytes": [int(v) for v in per_rank[:, 0]], "peak_live_bytes": [int(v) for v in per_rank[:, 1]],
     }
     if args.checkpoint is not None:
-        save_checkpoint(args, ctx, engine, summary)
+        summary["checkpoint_error"] = save_checkpoint(args, ctx, engine, summary)
     return summary
 
 
-def save_checkpoint(args: argparse.Namespace, ctx: RankContext, engine: Engine, summary: dict[str, Any]) -> None:
-    """The full model, keyed as TransformerClassifier.state_dict(), whichever engine trained it."""
+def save_checkpoint(args: argparse.Namespace, ctx: RankContext, engine: Engine, summary: dict[str, Any]) -> str | None:
+    """The full model, keyed as TransformerClassifier.state_dict(), whichever engine trained it. Returns why rank 0
+    could not write it (the report and --json are written all the same), or None."""
     state = engine.full_state_dict()  # a collective: every rank
-    if ctx.rank == 0:
+    if ctx.rank != 0:
+        return None
+    try:
         args.checkpoint.mkdir(parents=True, exist_ok=True)
         torch.save({k: v.cpu() for k, v in state.items()}, args.checkpoint / "model.pt")
         meta = {k: summary[k] for k in ("engine", "config", "world_size", "steps", "final_loss", "accuracy")}
         (args.checkpoint / "meta.json").write_text(json.dumps({**meta, "seed": args.seed}, indent=1))
+    except (OSError, RuntimeError) as exc:  # torch.save raises RuntimeError for a path it cannot open
+        return f"the checkpoint could not be written to {args.checkpoint} ({type(exc).__name__}: {exc})"
+    return None
 
 
 def features(s: dict[str, Any]) -> str:
@@ -473,11 +509,17 @@ def main(argv: list[str] | None = None) -> None:
     ctx = join_world(args)
     try:
         summary = train(args, ctx)
+        failed = summary.get("checkpoint_error")
         if ctx.rank == 0:
             print(report(summary), flush=True)
             if args.json is not None:
                 args.json.write_text(json.dumps(summary, indent=1))
+            if failed:
+                print(f"fsdp_course.train: error: {failed}; the summary above is complete", file=sys.stderr,
+                      flush=True)
         ctx.barrier()  # leave together: a rank that exits while a peer still talks can abort that peer
+        if failed:
+            raise SystemExit(1)
     except Diverged as err:
         if ctx.rank == 0:  # before the barrier: torchrun stops the other ranks once one has exited
             print(f"fsdp_course.train: error: {err}", file=sys.stderr, flush=True)

@@ -139,3 +139,43 @@ def test_a_full_state_dict_with_a_wrong_buffer_shape_changes_nothing() -> None:
         return all(torch.equal(before[k], after[k]) for k in before)
 
     assert all(run_ranks(fn, 2))
+
+
+class Wider(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Linear(4, 3)  # same units, another size
+
+
+def test_another_size_names_the_parameter_and_its_shapes(tmp_path):
+    save(tmp_path)
+
+    def fn(ctx):
+        with pytest.raises(ValueError) as raised:
+            FSDP(Wider(), ctx, wrap=WRAP).load_sharded(str(tmp_path))
+        return str(raised.value)
+
+    said = run_ranks(fn, 2)[0]
+    assert "in unit 'b', b.weight was saved with shape (2, 4), here b.weight has (3, 4)" in said
+
+
+def test_an_adamw_checkpoint_into_sgd_is_refused_before_loading(tmp_path):
+    torch.manual_seed(0)
+    base = Net()
+
+    def fn(ctx):
+        fsdp = FSDP(copy.deepcopy(base), ctx, wrap=WRAP)
+        adamw = torch.optim.AdamW(fsdp.parameters(), lr=0.1)
+        for p in fsdp.parameters():
+            p.grad = torch.ones_like(p)
+        adamw.step()
+        fsdp.save_sharded(str(tmp_path), adamw)
+        sgd = torch.optim.SGD(fsdp.parameters(), lr=0.1, momentum=0.9)
+        with pytest.raises(ValueError) as raised:
+            fsdp.load_sharded(str(tmp_path), sgd)
+        return str(raised.value), dict(sgd.state)
+
+    said, state = run_ranks(fn, 2)[0]
+    assert "the saved optimizer had the options ['amsgrad', 'betas'," in said
+    assert "this SGD has ['dampening', 'momentum', 'nesterov'] instead: build the optimizer that saved it" in said
+    assert state == {}

@@ -17,6 +17,7 @@ alike, and its flat parameters are padded at both sizes: each cut has uneven chu
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -464,3 +465,17 @@ def worker(phase: str, out: Path) -> None:  # noqa: C901  (one launch, several p
     (out / f"load_rank{rank}.json").write_text(json.dumps(report))
     world.barrier()
     world.close()
+
+
+def test_dcp_inside_run_ranks_says_it_needs_real_processes(tmp_path: Path) -> None:
+    import torch
+    from torch import nn
+
+    from fsdp_course import RankError, run_ranks
+    from fsdp_course.fsdp import dcp
+    from fsdp_course.fsdp.api import FSDP
+
+    base = nn.Linear(4, 2)
+    for call in (dcp.save, dcp.load):
+        with pytest.raises(RankError, match="DCP checkpoints need real processes.*under torchrun"):
+            run_ranks(lambda ctx, call=call: call(FSDP(copy.deepcopy(base), ctx), None, tmp_path), 1)

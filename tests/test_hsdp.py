@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,15 @@ def test_bad_mesh_arguments_raise_value_errors_saying_what_to_pass() -> None:
     assert "replicate must be a positive number of ranks, got 0" in said[1]
     assert "replicate must be a positive number of ranks, got -2" in said[2]
     assert all("pass one of: replicate=1, shard=4, replicate=2, shard=2, replicate=4, shard=1" in s for s in said)
+
+
+def test_ranks_asking_for_different_meshes_fail_at_once_on_every_rank() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankError) as err:
+        run_ranks(lambda ctx: ctx.mesh(1, 4) if ctx.rank == 0 else ctx.mesh(2, 2), 4, timeout=10)
+    assert time.monotonic() - start < 5  # not the timeout twice over, as groups the others never build would take
+    assert "ranks 0, 1, 2, 3 failed with ValueError: mesh: the ranks asked for different meshes (replicate, shard): " \
+           "rank 0 (1, 4), rank 1 (2, 2), rank 2 (2, 2), rank 3 (2, 2)" in str(err.value)
 
 
 def test_a_mismatched_subgroup_collective_is_reported_not_hung() -> None:

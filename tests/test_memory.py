@@ -93,6 +93,8 @@ def test_zero_formula_options():
 
 
 def test_a_budget_without_the_optimizer_is_refused_and_a_failed_attach_detaches():
+    with pytest.raises(TypeError, match=r"attach takes an engine .* got a Linear, which has no memory_tensors"):
+        attach(torch.nn.Linear(2, 2))
     e = ToyEngine()
     with pytest.raises(ValueError, match=r"a device budget needs the optimizer: attach\(engine, optimizer, capacity"):
         attach(e, None, capacity=10_000)

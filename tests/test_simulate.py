@@ -150,7 +150,7 @@ def test_a_peer_stuck_computing_times_out_with_its_state() -> None:
     with pytest.raises(RankError) as info:
         run_ranks(fn, 2, timeout=0.5)
     text = str(info.value)
-    assert "timed out after 0.5 s in all_reduce #1: rank(s) 1 never joined it" in text
+    assert "timed out after 0.5 s in all_reduce #1: rank(s) 1 had not joined it by then" in text
     assert "rank 1: running, no collective yet" in text
     assert "can never complete" in text  # rank 1 arrives late and is told rank 0 left
 
@@ -258,3 +258,9 @@ def test_an_engine_and_its_process_group_go_when_the_run_ends(engine: str) -> No
     assert all(engine_ref() is None and group_ref() is None for engine_ref, group_ref in refs)
     if before is not None:
         assert _gloo_threads() == before
+
+
+def test_a_timeout_too_short_to_meet_says_so() -> None:
+    with pytest.raises(RankError) as info:
+        run_ranks(lambda ctx: ctx.all_reduce(torch.ones(2)), 2, timeout=1e-6)
+    assert "A timeout of 1e-06 s is shorter than ranks take to reach a collective" in str(info.value)

@@ -158,6 +158,10 @@ def test_unreachable_rendezvous_fails_fast_with_a_clear_message() -> None:
     (["--timeout", "0"], "--timeout: must be a finite number > 0 (seconds), got 0"),
     (["--timeout", "-5"], "--timeout: must be a finite number > 0 (seconds), got -5"),
     (["--timeout", "nan"], "--timeout: must be a finite number > 0 (seconds), got nan"),
+    (["--batch-size", "1439"], "--batch-size 1439 is larger than the training set (1438 images): use at most 1438"),
+    (["--json", "/nonexistent/log.json"], "the folder /nonexistent does not exist"),
+    (["--json", str(Path(__file__).parent)], "is a folder: name the file to write"),
+    (["--checkpoint", __file__], "is a file: it names the folder to save model.pt and meta.json in"),
 ])
 def test_bad_values_are_rejected_by_the_parser(argv: list[str], says: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
@@ -179,13 +183,17 @@ def test_good_values_pass_the_parser() -> None:
 TINY = ["-m", "fsdp_course.train", "--engine", "ddp", "--batch-size", "4", "--log-every", "1", "--timeout", "60"]
 
 
-def test_one_step_reports_no_median_instead_of_crashing(tmp_path: Path) -> None:
+def test_one_step_reports_no_median_and_a_failed_checkpoint_still_writes_the_report(tmp_path: Path) -> None:
     # One step is memory-tracked, none timed: the summary says so instead of statistics.StatisticsError. The
     # number of ranks plays no part: one process, with the environment torchrun gives a world of one.
+    # Its checkpoint cannot be written (model.pt is a folder there): the report and the JSON are written anyway.
     env = {**ENV, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    cmd = [sys.executable, *TINY, "--steps", "1", "--json", str(tmp_path / "log.json")]
+    (tmp_path / "ck" / "model.pt").mkdir(parents=True)
+    cmd = [sys.executable, *TINY, "--steps", "1", "--json", str(tmp_path / "log.json"), "--checkpoint",
+           str(tmp_path / "ck")]
     rc, out, err = finish(start(cmd, env))  # tiny, but torch starts slowly on a loaded machine
-    assert rc == 0, f"--steps 1 failed:\n{out[-2000:]}\n{err[-4000:]}"
+    assert rc == 1, f"a checkpoint that could not be written must fail the run:\n{out[-2000:]}\n{err[-4000:]}"
+    assert f"the checkpoint could not be written to {tmp_path / 'ck'} (" in err and "Is a directory" in err
     assert "summary: engine=ddp" in out and "median step time n/a" in out
     log = json.loads((tmp_path / "log.json").read_text())
     assert log["median_step_s"] is None and log["step_times_s"] == [] and len(log["losses"]) == 1

@@ -71,6 +71,12 @@ def device_mesh(fsdp: FSDP) -> DeviceMesh:
             "DCP checkpoints of an HSDP model (FSDP(..., mesh=...)) are not built here: its parameters would be "
             "(Replicate(), Shard(0)) DTensors on the 2-D mesh. Save fsdp.full_state_dict() instead (it gathers in "
             "the shard group; load it with load_full_state_dict at any world size), or checkpoint a 1-D FSDP")
+    if getattr(fsdp.ctx, "simulated", False):  # DeviceMesh.from_group: "'ProcessGroupGloo' object is not iterable"
+        raise CheckpointError(
+            "DCP checkpoints need real processes: torch.distributed.checkpoint builds a DeviceMesh on a process group "
+            "that torch.distributed knows, and the rank threads of run_ranks have private groups. Run this under "
+            "torchrun (lessons/17_checkpoints.ipynb shows how), or inside run_ranks save fsdp.save_sharded(path) or "
+            "fsdp.full_state_dict()")
     return DeviceMesh.from_group(fsdp.ctx.group, fsdp.ctx.device.type)
 
 
@@ -421,8 +427,8 @@ def load(fsdp: FSDP, optimizer: torch.optim.Optimizer | None, path: str | os.Pat
     flat parameter is rebuilt from its parameters' chunks (one all-gather per flat parameter) and this rank keeps
     its flat shard. A checkpoint that does not fit raises CheckpointError on every rank, and nothing changes."""
     path = os.fspath(path)
-    metadata = _read_metadata(path)
     mesh = device_mesh(fsdp)
+    metadata = _read_metadata(path)
     fresh = optimizer is not None and not optimizer.state  # _target gives it a zero state; undone on failure
     try:
         target = _target(fsdp, optimizer, mesh)

@@ -206,9 +206,9 @@ def _read_checked(fsdp: FSDP, directory: str, optimizer: torch.optim.Optimizer |
             "state dict (full_state_dict / load_full_state_dict), which fits any world size.")
     mine = _metadata(fsdp)
     if meta["units"] != mine["units"]:
-        saved = [u["name"] for u in meta["units"]]
-        raise ValueError(f"the checkpoint's layout differs from this model's (units saved: {saved}, "
-                         f"here: {[u['name'] for u in mine['units']]}): same model and wrap= needed")
+        why = _layout_difference(meta["units"], mine["units"])
+        raise ValueError(f"the checkpoint's layout differs from this model's: {why}. Load it into the model that "
+                         "saved it, wrapped the same way (wrap=)")
     path = os.path.join(directory, rank_file(rank))
     if not os.path.exists(path):
         present = sorted(f for f in os.listdir(directory) if f.startswith("shard_rank"))
@@ -243,12 +243,37 @@ def _read_checked(fsdp: FSDP, directory: str, optimizer: torch.optim.Optimizer |
     if optimizer is not None:
         if payload["optimizer"] is None:
             raise ValueError(f"{path} holds no optimizer state: save_sharded(..., optimizer=) to include it")
+        saved_options = {k for g in payload["optimizer"]["param_groups"] for k in g if k != "params"}
+        options = {k for g in optimizer.param_groups for k in g if k != "params"}
+        if saved_options != options:  # e.g. AdamW's betas vs SGD's momentum: step() would miss its state
+            raise ValueError(f"{path}: the saved optimizer had the options {sorted(saved_options - options)}, this "
+                             f"{type(optimizer).__name__} has {sorted(options - saved_options)} instead: build the "
+                             "optimizer that saved it (same type and options)")
         saved_groups = [len(g["params"]) for g in payload["optimizer"]["param_groups"]]
         groups = [len(g["params"]) for g in optimizer.param_groups]
         if saved_groups != groups:
             raise ValueError(f"{path}: the saved optimizer has parameter groups of sizes {saved_groups}, this one "
                              f"{groups}: build it the same way, over fsdp.parameters()")
     return payload
+
+
+def _layout_difference(saved: list[dict], here: list[dict]) -> str:
+    """The first place two unit lists (the metadata's) differ: a unit's name, or a parameter's name or shape."""
+    names = ([u["name"] for u in saved], [u["name"] for u in here])
+    if names[0] != names[1]:
+        return f"units saved {names[0]}, here {names[1]}"
+    for unit, a, b in zip(names[0], saved, here, strict=True):
+        for j, (fa, fb) in enumerate(zip(a["flat_params"], b["flat_params"], strict=False)):
+            for pa, pb in zip(fa["params"], fb["params"], strict=False):
+                if (pa["name"], pa["shape"]) != (pb["name"], pb["shape"]):
+                    return (f"in unit {unit or 'root'!r}, {pa['name']} was saved with shape {tuple(pa['shape'])}, "
+                            f"here {pb['name']} has {tuple(pb['shape'])}")
+            if fa != fb:
+                return f"in unit {unit or 'root'!r}, flat parameter {j} holds other parameters or another dtype"
+        if len(a["flat_params"]) != len(b["flat_params"]):
+            return (f"unit {unit or 'root'!r} has {len(a['flat_params'])} flat parameters saved, "
+                    f"{len(b['flat_params'])} here")
+    return "the units differ"
 
 
 def _check_same(path: str, what: str, saved: torch.Tensor, here: torch.Tensor) -> None:

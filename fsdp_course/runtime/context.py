@@ -166,6 +166,21 @@ class RankContext:
         return collectives.irecv(self, tensor, src, tag)
 
     # -- a 2-D mesh for HSDP (mesh.py) ---------------------------------------------------------
+    def _agree_on_mesh(self, replicate: object, shard: object) -> None:
+        """Every rank must ask for the same (replicate, shard): compared first (one all-gather of two ints on the
+        raw group, outside the ledger), so a rank that asked for another mesh fails at once on every rank instead
+        of waiting out the timeout in groups the others never build."""
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (replicate, shard)):
+            return  # check_mesh_shape says what to pass
+        mine = torch.tensor([replicate, shard], dtype=torch.int64, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self.group.allgather([every], [mine]).wait()
+        asked = [tuple(t.tolist()) for t in every]
+        if len(set(asked)) > 1:
+            listing = ", ".join(f"rank {r} ({a[0]}, {a[1]})" for r, a in enumerate(asked))
+            raise ValueError(f"mesh: the ranks asked for different meshes (replicate, shard): {listing}. Every rank "
+                             "must call ctx.mesh(replicate=R, shard=S) with the same R and S")
+
     def mesh(self, replicate: int, shard: int) -> Mesh:
         """Split the world into an (replicate, shard) mesh, rank = r * shard + s (init_device_mesh's order).
 
@@ -176,6 +191,7 @@ class RankContext:
         """
         if self.parent is not None:
             raise ValueError("mesh: call it on the world's context, not on a subgroup's")
+        self._agree_on_mesh(replicate, shard)
         replicate, shard = check_mesh_shape(replicate, shard, self.world_size)
         rows, columns = mesh_groups(replicate, shard)
         r, s = divmod(self.rank, shard)

@@ -201,9 +201,12 @@ class WorldMonitor:
                             f"{', '.join(map(str, missing))} ended without joining it.\n{self.report()}")
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
+                        short = (f" A timeout of {self.timeout:g} s is shorter than ranks take to reach a "
+                                 "collective (they may arrive just after): give them a second or more."
+                                 if self.timeout < 0.5 else "")
                         raise CollectiveHang(
                             f"timed out after {self.timeout:g} s in {sig.op} #{sig.seq}{self._where()}: rank(s) "
-                            f"{', '.join(map(str, missing))} never joined it.\n{self.report()}")
+                            f"{', '.join(map(str, missing))} had not joined it by then.{short}\n{self.report()}")
                     self._cond.wait(min(remaining, 0.5))
                 if len(set(posted.values())) > 1:  # any field differs: op, seq, shapes, dtype, op/src
                     lines = "\n".join(f"  rank {r}{self._who(r)}: {posted[r].describe()}" for r in sorted(posted))
