@@ -468,7 +468,6 @@ def worker(phase: str, out: Path) -> None:  # noqa: C901  (one launch, several p
 
 
 def test_dcp_inside_run_ranks_says_it_needs_real_processes(tmp_path: Path) -> None:
-    import torch
     from torch import nn
 
     from fsdp_course import RankError, run_ranks
