@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx = join_world(args)
     try:
         summary = train(args, ctx)
-        failed = summary.get("checkpoint_error")
+        failed = summary.pop("checkpoint_error", None)  # not a field of the summary: said, then the exit status
         if ctx.rank == 0:
             print(report(summary), flush=True)
             if args.json is not None:

@@ -73,7 +73,8 @@ def test_the_layout_is_fully_shards(results: dict[str, Any]) -> None:
 
 def test_saved_directory_is_torchs_format(results: dict[str, Any]) -> None:
     files = results["save"]["files"]
-    assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one data file per saving rank
+    # one data file per saving rank, and the sha256 of every file (ours, beside them: torch's reader ignores it)
+    assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp", "fsdp_course_digests.json"]
     assert all(size > 0 for size in files.values())
 
 
@@ -137,6 +138,19 @@ def test_a_truncated_file_fails_clearly(results: dict[str, Any]) -> None:
     assert "is damaged: __0_0.distcp is " in err["message"]
     assert "(truncated). An interrupted save or copy? Copy the checkpoint again or save it again" in err["message"]
     assert err["cause"] == "CheckpointException"  # DCP's own error, kept as __cause__
+
+
+def test_files_of_two_saves_or_swapped_files_are_named(results: dict[str, Any]) -> None:
+    mixed, swapped = errors(results, "mixed")[0]["message"], errors(results, "swapped")[0]["message"]
+    assert "is not one save's files: __1_0.distcp is not the file this save wrote (its sha256 differs" in mixed
+    assert "__0_0.distcp holds what __1_0.distcp held (the files were swapped or renamed); __1_0.distcp holds " \
+           "what __0_0.distcp held" in swapped
+    assert "Restore all its files from one save" in mixed
+
+
+def test_a_second_save_into_a_folder_being_saved_into_is_refused(results: dict[str, Any]) -> None:
+    said = results["save"]["locked"]
+    assert "another save is writing into" in said and "Save each job into its own folder" in said
 
 
 def test_a_failed_load_leaves_a_fresh_optimizer_fresh(results: dict[str, Any]) -> None:
@@ -387,6 +401,15 @@ def worker(phase: str, out: Path) -> None:  # noqa: C901  (one launch, several p
         for i in range(2):
             step(plain, plain_opt, i, world)
             step(saving, saving_opt, i, world, before_step=lambda i=i: dcp.save(saving, saving_opt, out / f"mid2_{i}"))
+        (out / "locked2").mkdir(exist_ok=True)  # another job's save is under way there (its lock file)
+        world.barrier()
+        if rank == 0:
+            (out / "locked2" / dcp.LOCK).write_text("4242\n")
+        world.barrier()
+        try:
+            dcp.save(plain, plain_opt, out / "locked2")
+        except dcp.CheckpointError as exc:
+            report["locked"] = str(exc)
         report["early"] = {"steps": sorted({float(st["step"]) for st in saving_opt.state.values()}),
                            "equal": diff(full(plain, None), full(saving, None))}
         if rank == 0:
@@ -434,8 +457,14 @@ def worker(phase: str, out: Path) -> None:  # noqa: C901  (one launch, several p
         shutil.copytree(out / "ours2", out / "truncated")
         data = (out / "truncated" / "__0_0.distcp").read_bytes()
         (out / "truncated" / "__0_0.distcp").write_bytes(data[: len(data) // 2])
+        shutil.copytree(out / "ours2", out / "mixed")  # rank 1's file from another save of the same model
+        shutil.copy(out / "early2" / "__1_0.distcp", out / "mixed" / "__1_0.distcp")
+        shutil.copytree(out / "ours2", out / "swapped")
+        for a, b in (("__0_0.distcp", "tmp"), ("__1_0.distcp", "__0_0.distcp"), ("tmp", "__1_0.distcp")):
+            (out / "swapped" / a).rename(out / "swapped" / b)
     world.barrier()
     for case, source, kw in [("truncated", "truncated", {}), ("missing_parameter", "ours2", {"cls": WithExtra}),
+                             ("mixed", "mixed", {}), ("swapped", "swapped", {}),
                              ("extra_parameter", "extra2", {}), ("wrong_shapes", "wide2", {}),
                              ("sgd_from_adamw", "ours2", {"sgd": True}), ("course_sharded", "course2", {}),
                              ("step_differs", "skew2", {})]:

@@ -210,6 +210,7 @@ def test_wrap_class_that_makes_no_unit_warns():
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 labels = [u.label for u in FSDP(copy.deepcopy(base), ctx, wrap=wrap).units]
+            assert all(w.filename == __file__ for w in caught), [w.filename for w in caught]  # the caller's line
             return labels, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
         return units({nn.TransformerEncoderLayer}), units({MLP}), units({nn.Linear, nn.Conv2d}), units({nn.Linear})
     absent, root_class, one_absent, fine = run_ranks(rank_fn, 1)[0]

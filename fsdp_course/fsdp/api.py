@@ -432,7 +432,8 @@ def _warn_unused_wrap(root: nn.Module, wrap: tuple[type, ...], units: list[FSDPU
         result = "the whole model is one unit, gathered at once (pitfall 5.3)" if len(units) == 1 else "it does nothing"
         warnings.warn(f"FSDP: wrap class {cls.__name__} makes no unit of this {type(root).__name__} ({why}), so "
                       f"{result}. Pass the classes of the blocks to shard one at a time, e.g. wrap={{nn.Linear}} "
-                      "or wrap={nn.TransformerEncoderLayer} (or wrap=None for one unit on purpose).", stacklevel=3)
+                      "or wrap={nn.TransformerEncoderLayer} (or wrap=None for one unit on purpose).",
+                      stacklevel=4)  # past this function, FSDP.__init__ and its @holds wrapper: the caller
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ torch/distributed/checkpoint/{state_dict.py, default_planner.py, filesystem.py} 
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -56,6 +58,8 @@ __all__ = ["CheckpointError", "MODEL_KEY", "OPTIM_KEY", "device_mesh", "dim0_chu
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
 DCP_METADATA = ".metadata"  # torch's FileSystemWriter: one per checkpoint, beside one .distcp file per rank
+DIGESTS = "fsdp_course_digests.json"  # save's record of every file's sha256, beside them
+LOCK = "fsdp_course_saving.lock"  # there while a save writes into the folder
 
 
 class CheckpointError(RuntimeError):
@@ -248,11 +252,87 @@ def _state(fsdp: FSDP, optimizer: torch.optim.Optimizer | None, mesh: DeviceMesh
     return out
 
 
+def _agree(fsdp: FSDP, ok: bool) -> list[bool]:
+    """Every rank's `ok`, by one all-gather on the raw group (bookkeeping: outside the ledger)."""
+    mine = torch.tensor([float(ok)], device=fsdp.ctx.device)
+    every = [torch.empty_like(mine) for _ in range(fsdp.ctx.world_size)]
+    fsdp.ctx.group.allgather([every], [mine]).wait()
+    return [bool(t.item()) for t in every]
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def save(fsdp: FSDP, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> Metadata:
     """Write a DCP checkpoint of the model (and the optimizer) into the directory `path`: one `.distcp` file per
-    rank with its chunks and one `.metadata` (torch.distributed.checkpoint.save). All ranks call it."""
+    rank with its chunks and one `.metadata` (torch.distributed.checkpoint.save). All ranks call it.
+
+    Beside them rank 0 records every file's sha256 (`DIGESTS`): `load` then names a file that another save or a
+    copy put there. While it saves, a lock file (`LOCK`) keeps a second job from saving into the same folder."""
+    path = os.fspath(path)
     state = _state(fsdp, optimizer, device_mesh(fsdp))
-    return torch_dcp.save(state, checkpoint_id=os.fspath(path), process_group=fsdp.ctx.group)
+    lock, locked = os.path.join(path, LOCK), True
+    if fsdp.ctx.rank == 0:
+        os.makedirs(path, exist_ok=True)
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            os.close(fd)
+        except FileExistsError:
+            locked = False
+    if not _agree(fsdp, locked)[0]:
+        raise CheckpointError(f"another save is writing into {path} ({LOCK} is there): two jobs saving into one "
+                              "folder overwrite each other's files. Save each job into its own folder; if no save is "
+                              f"running (one that crashed left it), delete {lock}")
+    try:
+        metadata = torch_dcp.save(state, checkpoint_id=path, process_group=fsdp.ctx.group)
+        if fsdp.ctx.rank == 0:
+            files = sorted({sd.relative_path for sd in metadata.storage_data.values()} | {DCP_METADATA})
+            digests = {name: _sha256(os.path.join(path, name)) for name in files}
+            tmp = os.path.join(path, DIGESTS + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump({"sha256": digests}, f, indent=1)
+            os.replace(tmp, os.path.join(path, DIGESTS))
+    finally:
+        if fsdp.ctx.rank == 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(lock)
+    _agree(fsdp, True)  # the digests are written before any rank returns
+    return metadata
+
+
+def _check_digests(path: str, metadata: Metadata) -> None:
+    """Every file the save recorded must be the one it wrote: a .distcp from another save of the same model (a
+    partial copy, a crashed overwrite) would load without a word into values that equal neither save. A truncated
+    or missing file is left to the load, which names it (`_damaged_files`), unless it holds another file's bytes."""
+    damaged = _damaged_files(path, metadata)
+    try:
+        with open(os.path.join(path, DIGESTS)) as f:
+            recorded = json.load(f)["sha256"]
+    except FileNotFoundError:
+        return  # saved by torch.distributed.checkpoint itself (fully_shard): nothing recorded to check
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{os.path.join(path, DIGESTS)} cannot be read ({type(exc).__name__}): restore the "
+                              "checkpoint from a copy or save it again") from exc
+    actual = {name: _sha256(os.path.join(path, name)) for name in recorded if os.path.exists(os.path.join(path, name))}
+    problems = []
+    for name, sha in recorded.items():
+        if name not in actual or actual[name] == sha:
+            continue  # a missing file: the load names it
+        was = [other for other, s in recorded.items() if s == actual[name] and other != name]
+        if was:
+            problems.append(f"{name} holds what {was[0]} held (the files were swapped or renamed)")
+        elif not any(d.startswith(f"{name} ") for d in damaged):  # truncated: the load names it
+            problems.append(f"{name} is not the file this save wrote (its sha256 differs from the one recorded: it "
+                            "comes from another save, or it was changed since)")
+    if problems:
+        raise CheckpointError(f"the checkpoint in {path} is not one save's files: {'; '.join(problems)}. Nothing was "
+                              "loaded. Restore all its files from one save (or save again)")
 
 
 def _flat_keys(tree: Any, prefix: str) -> dict[str, Any]:
@@ -429,6 +509,7 @@ def load(fsdp: FSDP, optimizer: torch.optim.Optimizer | None, path: str | os.Pat
     path = os.fspath(path)
     mesh = device_mesh(fsdp)
     metadata = _read_metadata(path)
+    _check_digests(path, metadata)
     fresh = optimizer is not None and not optimizer.state  # _target gives it a zero state; undone on failure
     try:
         target = _target(fsdp, optimizer, mesh)
