@@ -11,6 +11,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
+TEST_WORKERS ?= 3
 NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=240 --nbval-sanitize-with tests/sanitize.cfg
 
 .PHONY: lab lab-zh test test-portable test-native notebooks exercises translations lint clean-venv
@@ -51,17 +52,18 @@ test: $(DEV_STAMP)
 	$(BIN)/python -m compileall -q fsdp_course
 	@# one run: the unit tests under this CPU's kernels, nbval's notebook kernels under another machine's numerics
 	@# (tests/portable.py tells ATen, oneDNN, MKL, numpy and OpenBLAS the same CPU, an AVX2 one, and checks first
-	@# that they all believe it)
-	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15 $(NBVAL) --notebook-numerics=portable \
+	@# that they all believe it). Three workers even on two cores: a fifth of the workers' time is waiting (kernels
+	@# and torchrun starting, notebooks graded in subprocesses, timeouts), which a third worker fills
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(NBVAL) --notebook-numerics=portable \
 		tests lessons solutions
 
 test-portable: $(DEV_STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile $(NBVAL) --notebook-numerics=portable lessons solutions
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(NBVAL) --notebook-numerics=portable lessons solutions
 
 # nbval under this CPU's own kernels: the notebooks were saved under them (make notebooks), so make test leaves this
 # pass out (see README, "Notebooks are claims"); authors run it on a CPU unlike the one they saved on
 test-native: $(DEV_STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile $(NBVAL) lessons solutions
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(NBVAL) lessons solutions
 
 # Authors: re-run every lesson and solution in a fresh kernel and save it with its outputs.
 notebooks: $(DEV_STAMP)

@@ -6,7 +6,7 @@ At the repository root so that it applies to every pytest run, also `pytest --nb
 not only to runs that collect tests/.
 
 `make test` is one pytest run: the unit tests under this CPU's kernels and nbval's notebook kernels under the
-environment of tests/portable.py, checked once before anything runs (both in one run, so two workers stay busy to
+environment of tests/portable.py, checked once before anything runs (both in one run, so the workers stay busy to
 the end instead of waiting for the slowest file of each of two runs).
 
 Rank threads share torch's intra-op thread pool; with two pytest workers on two cores, extra
