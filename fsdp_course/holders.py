@@ -99,7 +99,7 @@ def holder(module: nn.Module) -> str | None:
     for name, sub in module.named_modules():
         where = f"{name!r}" if name else "the model"
         if sub in _ENGINES:
-            return f"{where} is a {type(sub).__name__}"
+            return f"{where} is a wrapper ({type(sub).__name__})"
         held = _HELD.get(sub)
         if held is not None and (held.consumes or held.engine() is not None):
             return f"{where} is wrapped by {held.kind}"

@@ -177,6 +177,7 @@ class MemoryRecorder:
         self.peak_host = 0
         self._activations: list[weakref.ref] | None = None  # tensors saved for backward, once tracking began
         self._previous: dict[str, int] = {}  # the device pool at the last point that passed the check
+        self.step_hook: Any = None  # with a budget: the optimizer's step post-hook that records "optimizer step"
 
     @property
     def rank(self) -> int:
@@ -193,6 +194,8 @@ class MemoryRecorder:
 
     def record(self, label: str) -> dict[str, int]:
         snap = self.snapshot()
+        if self.events and self.events[-1] == (label, snap):
+            return snap  # recorded already (the optimizer's step hook, then the same event by hand)
         self.events.append((label, snap))
         for c, b in snap.items():
             self.peak[c] = max(self.peak.get(c, 0), b)
@@ -269,7 +272,8 @@ def attach(engine: Any, optimizer: torch.optim.Optimizer | None = None,
 
     `capacity` (bytes per rank, e.g. 64 * 2**20): the device budget. What the engine holds already is
     checked at once (it may raise `DeviceOutOfMemory` here, as moving a model to a full GPU does), then
-    every recorded point; past that first check, a budget needs the `optimizer` whose state it counts."""
+    every recorded point; past that first check, a budget needs the `optimizer` whose state it counts, and each of
+    its `step()` is a recorded point too ("optimizer step": where its state appears)."""
     recorder = MemoryRecorder(engine, optimizer, capacity)  # checks `capacity`
     previous = getattr(engine, "memory_recorder", None)
     engine.memory_recorder = recorder
@@ -284,10 +288,16 @@ def attach(engine: Any, optimizer: torch.optim.Optimizer | None = None,
     except BaseException:
         engine.memory_recorder = previous  # a budget that failed at once records nothing afterwards
         raise
+    if capacity is not None and optimizer is not None:  # the state appears in step(): checked there, not at the
+        recorder.step_hook = optimizer.register_step_post_hook(  # engine's next event (a step late)
+            lambda *_: recorder.record("optimizer step") if engine.memory_recorder is recorder else None)
     return recorder
 
 
 def detach(engine: Any) -> None:
+    recorder = getattr(engine, "memory_recorder", None)
+    if getattr(recorder, "step_hook", None) is not None:
+        recorder.step_hook.remove()
     engine.memory_recorder = None
 
 

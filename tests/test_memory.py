@@ -105,3 +105,32 @@ def test_a_budget_without_the_optimizer_is_refused_and_a_failed_attach_detaches(
     assert e.memory_recorder is None  # nothing is recorded, nor checked, afterwards
     record_event(e, "step")
     assert e.timeline == []
+
+
+def test_a_budget_catches_the_optimizer_state_at_the_step_that_makes_it():
+    # DDP and FSDP do not own their optimizer: its state appears in opt.step(), which the recorder hooks
+    import copy
+
+    from fsdp_course import run_ranks
+    from fsdp_course.engines.ddp import DDP
+    from fsdp_course.memory import DeviceOutOfMemory
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 10))
+
+    def fn(ctx):
+        ddp = DDP(copy.deepcopy(base), ctx)
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+        psi = sum(p.numel() for p in ddp.parameters())
+        attach(ddp, opt, capacity=int(psi * 4 * 2.5))  # parameters and gradients fit, Adam's 8 bytes do not
+        for step in range(2):
+            try:
+                loss = torch.nn.functional.cross_entropy(ddp(torch.randn(4, 64)), torch.zeros(4, dtype=torch.long))
+                loss.backward()
+                opt.step()
+                record_event(ddp, "optimizer step")  # by hand too, as the lessons do: recorded once
+            except DeviceOutOfMemory as e:
+                return step, e.label, e.category
+        return None
+
+    assert run_ranks(fn, 1) == [(0, "optimizer step", "optimizer")]  # was step 1's 'all_reduce gradients'
