@@ -47,6 +47,11 @@ def _bound(bound: Any) -> float:
     return b
 
 
+def _fmt(b: float) -> str:
+    """A bound as a reader writes it: 2, 0.5, 1e-05."""
+    return f"{b:g}" if b == 0 or 1e-3 <= abs(b) < 1e5 else f"{b:.0e}"
+
+
 def _show(x: Any) -> str:
     """An exact value as a reader wants it: 12,288 for an int, the value for the rest."""
     if hasattr(x, "tolist") and not isinstance(x, (int, float)):
@@ -77,21 +82,21 @@ class Claims:
         return bool(holds)
 
     def below(self, x: Any, bound: Any, label: str) -> bool:
-        """`x < bound` (a difference, an error): prints the bound, e.g. `< 1e-05`."""
+        """`x < bound` (a difference, an error): prints the bound, e.g. `< 1e-05` (`< 0.5`)."""
         value, b = _number(x), _bound(bound)
-        return self._add(label, f"< {b:.0e}", value < b, f"{value:.2e}")
+        return self._add(label, f"< {_fmt(b)}", value < b, f"{value:.2e}")
 
     def above(self, x: Any, bound: Any, label: str) -> bool:
         """`x > bound` (a step that moved, a speed-up): prints the bound, e.g. `> 2`."""
         value, b = _number(x), _bound(bound)
-        return self._add(label, f"> {b:g}", value > b, f"{value:.3g}")
+        return self._add(label, f"> {_fmt(b)}", value > b, f"{value:.3g}")
 
     def between(self, x: Any, low: Any, high: Any, label: str) -> bool:
         """`low <= x <= high`: prints the interval."""
         value, lo, hi = _number(x), _bound(low), _bound(high)
         if lo > hi:
             raise ValueError(f"between: low {low!r} is above high {high!r}")
-        return self._add(label, f"in [{lo:g}, {hi:g}]", lo <= value <= hi, f"{value:.3g}")
+        return self._add(label, f"in [{_fmt(lo)}, {_fmt(hi)}]", lo <= value <= hi, f"{value:.3g}")
 
     def equal(self, x: Any, expected: Any, label: str) -> bool:
         """`x == expected` (counts, bytes, shapes, lists; tensors by torch.equal): prints the value itself."""

@@ -28,7 +28,7 @@ def test_true_claims_print_aligned_lines_that_do_not_depend_on_rounding_noise(ca
         "loss, FSDP vs one process, every step    < 1e-05  ✓",
         "bytes sent per rank and step              12,288  ✓",
         "shape                                     [2, 3]  ✓",
-        "the step moved the parameters           > 0.0001  ✓",
+        "the step moved the parameters            > 1e-04  ✓",
         "accuracy                               in [0, 1]  ✓",
         "every rank holds the same shard                   ✓",
     ], printed[0]
@@ -67,3 +67,13 @@ def test_bad_claims_say_what_is_wrong() -> None:
             c.below("0.1", 1e-5, "x")
         with pytest.raises(ValueError, match="between: low 2 is above high 1"):
             c.between(1.5, 2, 1, "x")
+
+
+def test_the_differences_lessons_claim_about() -> None:
+    from fsdp_course.engines.equivalence import max_rel_diff, norm_rel_diff
+
+    ref = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([4.0])}  # global norm 5
+    got = {"a": torch.tensor([3.0, 0.3]), "b": torch.tensor([4.4])}  # difference (0, 0.3, 0.4): norm 0.5
+    assert abs(norm_rel_diff(got, ref) - 0.1) < 1e-6  # the state dict as one vector (float32 inputs)
+    assert abs(norm_rel_diff(got["b"], ref["b"]) - 0.1) < 1e-6  # one tensor
+    assert abs(max_rel_diff(got["a"], ref["a"]) - 0.1) < 1e-6  # elementwise, over the largest magnitude

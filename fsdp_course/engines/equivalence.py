@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -57,7 +57,8 @@ __all__ = [
     "ModuleTrainee", "OptimizerFactory", "Pieces",
     "Result", "ShardedTrainee", "StepRecord", "Trace", "Trainee", "check_equivalence", "close", "compare",
     "digits_batches", "full_pieces", "full_tensor", "global_batches", "local_grads", "local_slice", "max_rel_diff",
-    "reference_run", "reference_steps", "run_engine", "run_reference", "seeded_mlp", "shard_pieces", "train",
+    "norm_rel_diff", "reference_run", "reference_steps", "run_engine", "run_reference", "seeded_mlp", "shard_pieces",
+    "train",
 ]
 
 Pieces = dict[str, list[tuple[int, int, Tensor]]]  # name -> [(start, end, values of flat[start:end])]
@@ -337,6 +338,17 @@ def max_rel_diff(got: Tensor, expected: Tensor) -> float:
     """Largest elementwise difference, relative to the largest magnitude of `expected` (0 if both are 0)."""
     scale = float(expected.detach().abs().max()) if expected.numel() else 0.0
     diff = float((got.detach().double() - expected.detach().double()).abs().max()) if expected.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def norm_rel_diff(got: Tensor | Mapping[str, Tensor], expected: Tensor | Mapping[str, Tensor]) -> float:
+    """The norm of the difference over the norm of `expected`: of one tensor, or of a state dict as a whole (every
+    tensor flattened into one vector: the global norm, the measure under Adam, docs/ARCHITECTURE.md)."""
+    if isinstance(expected, Mapping):
+        got = torch.cat([got[k].detach().reshape(-1).double() for k in expected])  # type: ignore[index]
+        expected = torch.cat([v.detach().reshape(-1).double() for v in expected.values()])
+    diff = float((got.detach().double() - expected.detach().double()).norm())  # type: ignore[union-attr]
+    scale = float(expected.detach().double().norm())
     return diff / scale if scale > 0 else diff
 
 
