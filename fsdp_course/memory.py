@@ -288,6 +288,8 @@ def attach(engine: Any, optimizer: torch.optim.Optimizer | None = None,
     except BaseException:
         engine.memory_recorder = previous  # a budget that failed at once records nothing afterwards
         raise
+    if getattr(previous, "step_hook", None) is not None:  # attached again: the old recorder's hook goes
+        previous.step_hook.remove()
     if capacity is not None and optimizer is not None:  # the state appears in step(): checked there, not at the
         recorder.step_hook = optimizer.register_step_post_hook(  # engine's next event (a step late)
             lambda *_: recorder.record("optimizer step") if engine.memory_recorder is recorder else None)
