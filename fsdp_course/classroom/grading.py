@@ -382,8 +382,9 @@ def run(args: Any) -> int:
         graded = grade(Path(args.submissions), Path(args.out), solutions=Path(args.solutions), feedback=args.feedback,
                        timeout=args.timeout, jobs=args.jobs, log=lambda line: print(line, flush=True), stop=stop)
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        if not caught:  # once stopped by one, the handlers stay: a second signal arriving after grade() returned
+            for signum, handler in previous.items():  # would otherwise kill the process before it says what it wrote
+                signal.signal(signum, handler)
     took = f"{time.monotonic() - started:.0f} s"
     if caught:
         partial = sum(g.status == "partial" for g in graded)
