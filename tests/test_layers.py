@@ -20,7 +20,7 @@ FLOORS = {
     "fsdp": 2,  # the course's FSDP
     "engines": 3, "viz": 3,  # DDP, ZeRO, the bridge to torch; figures and widgets
     "classroom": 4,  # checks, exercises, grading, the CLI
-    "train": 5,  # the torchrun entry point uses everything
+    "train": 5, "examples": 5,  # programs: the torchrun entry point, and those the lessons start as processes
 }
 
 
@@ -118,3 +118,14 @@ def test_the_checks_find_a_circle_and_an_upward_import(tmp_path: Path) -> None:
     (pkg / "engines" / "b.py").write_text("def f():\n    from fsdp_course.runtime import a\n")
     assert upward_imports(pkg) == ["fsdp_course.runtime.a (floor 1) imports fsdp_course.engines.b (floor 3)"]
     assert import_circles(pkg) == ["fsdp_course.engines.b -> fsdp_course.runtime.a -> fsdp_course.engines.b"]
+
+
+def test_every_program_of_examples_is_listed_and_named_ones_only_are_run() -> None:
+    import pytest
+
+    import fsdp_course.examples as examples
+
+    files = {p.stem for p in (ROOT / "examples").glob("*.py")} - {"__init__"}
+    assert files == set(examples.PROGRAMS), "list every program of fsdp_course/examples/ in examples.PROGRAMS"
+    with pytest.raises(ValueError, match="no program 'peer' in fsdp_course.examples: there are killed_run"):
+        examples.run("peer", workdir=".")

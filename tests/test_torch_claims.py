@@ -21,6 +21,13 @@ test asserts on what both ranks reported for its claim.
   with torch's MemTracker (torch/distributed/_tools/mem_tracker.py, which needs a process of its own: it hooks
   modules globally) and by the storages of the buckets a communication hook sees. DDP's constructor broadcasts
   rank 0's parameters (`init_sync=True`, `_sync_module_states`).
+- An optimizer built before `fully_shard` trains nothing, silently (lesson 10, pitfall 5.4): `fully_shard` replaces
+  every parameter with a DTensor one (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, `FSDPParam`), so the
+  optimizer's tensors get no gradient and `step()` skips them; built after it, from `model.parameters()`, it trains.
+- The article's `AutoWrapPolicy.TRANSFORMER_BASED` names nothing in torch's FSDP (lesson 10, pitfall 5.3): its
+  policies are `ModuleWrapPolicy` and `transformer_auto_wrap_policy` (torch/distributed/fsdp/wrap.py), and the C++
+  library's bindings, what the article's JavaCPP wraps, hold Gloo and no FSDP. A Gloo device can be given a network
+  interface instead of a hostname (`ProcessGroupGloo.create_device(interface=...)`).
 """
 
 from __future__ import annotations
@@ -111,7 +118,37 @@ def claim_ddp_buckets(rank: int) -> dict[str, Any]:
     return out
 
 
-CLAIMS = {"fully_shard_init": claim_fully_shard_init, "ddp_buckets": claim_ddp_buckets}
+def claim_optimizer_before_fully_shard(rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
+    y = torch.arange(16) % 10
+    out: dict[str, Any] = {}
+    for order in ("before", "after"):
+        model = seeded_mlp(0)
+        if order == "before":
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # the model's own tensors
+            original = list(model.parameters())
+        fully_shard(model, mesh=mesh)
+        if order == "after":
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # fully_shard's DTensor parameters
+        else:
+            out["kept_the_originals"] = not any(p is q for p in model.parameters() for q in original)
+        losses = []
+        for _ in range(3):
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()  # raises nothing either way
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        out[order] = losses
+    return out
+
+
+CLAIMS = {"fully_shard_init": claim_fully_shard_init, "ddp_buckets": claim_ddp_buckets,
+          "optimizer_before_fully_shard": claim_optimizer_before_fully_shard}
 
 
 def phase(out: Path) -> None:  # in each process of the "pair" launch (tests/phases.py), the world joined
@@ -171,3 +208,42 @@ def test_ddp_default_keeps_buckets_beside_the_gradients(reports: list[dict[str, 
     assert not ranks[1]["own_init_is_rank0s"], "rank 1 had built other values"
     assert ranks[0]["False"]["grad_sum"] == ranks[1]["False"]["grad_sum"], "both ranks hold the averaged gradient"
 
+
+
+def test_an_optimizer_built_before_fully_shard_trains_nothing(reports: list[dict[str, Any]]) -> None:
+    for out in (r["optimizer_before_fully_shard"] for r in reports):
+        assert out["kept_the_originals"], "fully_shard replaced every parameter the optimizer holds"
+        assert len(set(out["before"])) == 1, "built before: no error, and the loss never moves"
+        assert out["after"][0] == out["before"][0] and out["after"][2] < out["after"][1] < out["after"][0], \
+            "built after, from model.parameters(): the same first loss, then it falls"
+
+
+def test_the_articles_wrap_policy_exists_nowhere_in_torch() -> None:
+    # lesson 10: `auto_wrap_policy().put(AutoWrapPolicy.TRANSFORMER_BASED)` names nothing in PyTorch's FSDP (Python),
+    # and libtorch, what JavaCPP wraps, has no FSDP at all: its bindings hold Gloo, not FSDP
+    import importlib
+    import pkgutil
+
+    import torch.distributed.fsdp as fsdp
+
+    found = pkgutil.walk_packages(fsdp.__path__, "torch.distributed.fsdp.")
+    modules = [fsdp] + [importlib.import_module(m.name) for m in found]
+    names = {name for module in modules for name in dir(module)}
+    assert len(modules) > 10 and {"ModuleWrapPolicy", "transformer_auto_wrap_policy", "fully_shard"} <= names
+    assert not {"AutoWrapPolicy", "TRANSFORMER_BASED"} & names
+    assert hasattr(fsdp.wrap, "ModuleWrapPolicy")
+    bindings = torch._C._distributed_c10d
+    assert hasattr(bindings, "ProcessGroupGloo") and hasattr(bindings.ProcessGroupGloo, "create_device")
+    assert not [n for n in dir(bindings) + dir(torch._C) if "fsdp" in n.lower() or "fullyshard" in n.lower()]
+
+
+def test_a_gloo_device_can_name_a_network_interface() -> None:
+    # lesson 10's fix for the device pinned to 127.0.0.1: create_device(interface=...) instead of a hostname
+    import socket
+
+    import torch.distributed as dist
+
+    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    if loopback is None:
+        pytest.skip("this machine names no loopback interface lo*")
+    assert dist.ProcessGroupGloo.create_device(interface=loopback) is not None
