@@ -76,4 +76,7 @@ def test_the_differences_lessons_claim_about() -> None:
     got = {"a": torch.tensor([3.0, 0.3]), "b": torch.tensor([4.4])}  # difference (0, 0.3, 0.4): norm 0.5
     assert abs(norm_rel_diff(got, ref) - 0.1) < 1e-6  # the state dict as one vector (float32 inputs)
     assert abs(norm_rel_diff(got["b"], ref["b"]) - 0.1) < 1e-6  # one tensor
+    assert abs(norm_rel_diff(list(got.values()), list(ref.values())) - 0.1) < 1e-6  # a list, in order
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) against 2: compare lists of the same tensors"):
+        norm_rel_diff([got["a"]], list(ref.values()))
     assert abs(max_rel_diff(got["a"], ref["a"]) - 0.1) < 1e-6  # elementwise, over the largest magnitude

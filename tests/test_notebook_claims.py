@@ -80,3 +80,14 @@ def test_lessons_import_below_instead_of_defining_their_own() -> None:
     for path in NOTEBOOKS:
         for index, cell in enumerate(nbformat.read(path, as_version=4).cells):
             assert "def below(" not in cell.source and "def rounded(" not in cell.source, f"{path.name} {index}"
+
+
+def test_show_source_prints_the_courses_code_and_refuses_torchs(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from fsdp_course.classroom.notebooks import below, show_source
+
+    show_source(below)
+    assert capsys.readouterr().out.startswith("def below(err: float, bound: float = 1e-5) -> str:\n")
+    with pytest.raises(ValueError, match="not torch.nn.modules.linear's: cite torch's file and function"):
+        show_source(torch.nn.Linear)

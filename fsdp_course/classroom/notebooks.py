@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["below", "main", "run_notebook"]
+__all__ = ["below", "main", "run_notebook", "show_source"]
 
 _VOLATILE_CELL_METADATA = ("execution", "collapsed", "scrolled")
 
@@ -36,6 +36,21 @@ def below(err: float, bound: float = 1e-5) -> str:
     Rounding noise (a sum in another order) differs from CPU to CPU in its digits, not in being below the bound,
     so this text is the same on every machine; the cell asserts the bound itself."""
     return f"< {bound:.0e}" if err < bound else f"{err:.1e}"
+
+
+def show_source(obj: object) -> None:
+    """Print the source of one of the course's own functions or classes, as a lesson shows the code it discusses.
+
+    Only the course's code: a claim about torch is checked by running torch (tests/test_torch_claims.py), and its
+    source is cited in prose, never printed, since its text changes with every refactor."""
+    import inspect
+
+    module = getattr(inspect.getmodule(obj), "__name__", "")
+    if module.split(".")[0] != "fsdp_course":
+        raise ValueError(f"show_source shows the course's own code, not {module or type(obj).__name__}'s: cite "
+                         "torch's file and function in the lesson's text, and check the claim in "
+                         "tests/test_torch_claims.py")
+    print(inspect.getsource(obj), end="")
 
 
 def run_notebook(path: Path, *, timeout: float = 240.0) -> float:

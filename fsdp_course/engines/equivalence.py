@@ -341,12 +341,19 @@ def max_rel_diff(got: Tensor, expected: Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def norm_rel_diff(got: Tensor | Mapping[str, Tensor], expected: Tensor | Mapping[str, Tensor]) -> float:
-    """The norm of the difference over the norm of `expected`: of one tensor, or of a state dict as a whole (every
-    tensor flattened into one vector: the global norm, the measure under Adam, docs/ARCHITECTURE.md)."""
+def norm_rel_diff(got: Tensor | Mapping[str, Tensor] | Sequence[Tensor],
+                  expected: Tensor | Mapping[str, Tensor] | Sequence[Tensor]) -> float:
+    """The norm of the difference over the norm of `expected`: of one tensor, or of several as a whole, a state dict
+    (by key) or a list (in order): every tensor flattened into one vector, the global norm, the measure under Adam
+    (docs/ARCHITECTURE.md)."""
     if isinstance(expected, Mapping):
         got = torch.cat([got[k].detach().reshape(-1).double() for k in expected])  # type: ignore[index]
         expected = torch.cat([v.detach().reshape(-1).double() for v in expected.values()])
+    elif not isinstance(expected, Tensor):
+        if len(got) != len(expected):  # type: ignore[arg-type]
+            raise ValueError(f"{len(got)} tensor(s) against {len(expected)}: compare lists of the same tensors")  # type: ignore
+        got = torch.cat([t.detach().reshape(-1).double() for t in got])  # type: ignore[union-attr]
+        expected = torch.cat([t.detach().reshape(-1).double() for t in expected])
     diff = float((got.detach().double() - expected.detach().double()).norm())  # type: ignore[union-attr]
     scale = float(expected.detach().double().norm())
     return diff / scale if scale > 0 else diff

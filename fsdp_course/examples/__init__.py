@@ -5,7 +5,6 @@ tests run the same file."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import subprocess
 import sys
@@ -38,4 +37,6 @@ def run(name: str, *args: str, workdir: str | os.PathLike, launcher: Sequence[st
 
 def show(name: str, function: str = "main") -> None:
     """Print the source of one function of a program: the lines a lesson discusses, read from the file it runs."""
-    print(inspect.getsource(getattr(import_module(_module(name)), function)), end="")
+    from fsdp_course.classroom.notebooks import show_source
+
+    show_source(getattr(import_module(_module(name)), function))
