@@ -16,3 +16,30 @@ def test_every_lesson_is_in_the_readme_table_and_numbers_have_no_gaps() -> None:
     assert numbered == list(range(len(numbered))), f"lesson numbers have gaps: {numbered}"
     appendices = [n for n in lessons if not re.match(r"\d\d_", n)]
     assert all(re.match(r"A\d+_", n) for n in appendices), f"unexpected lesson names: {appendices}"
+
+
+def test_the_course_map_reads_every_lesson_its_exercise_and_its_text(tmp_path: Path) -> None:
+    import json
+
+    import pytest
+
+    from fsdp_course.classroom.course_map import Lesson, course_map
+
+    lessons = course_map()
+    assert [f"{m.number}_" for m in lessons] == [p.name[:3] for p in sorted((ROOT / "lessons").glob("*.ipynb"))]
+    exercised = {p.name[:2] for p in (ROOT / "exercises").glob("*.ipynb")}
+    assert all((m.exercise is not None) == (m.number in exercised) for m in lessons)
+    assert lessons[0].title == "Welcome: how this course works" and lessons[0].exercise is None
+    assert Lesson("01", "t", None, words=151, code_lines=0).minutes == 5  # 1.01 minutes, rounded up to 5
+    assert Lesson("01", "t", None, words=1500, code_lines=100).minutes == 20  # 10 + 10: a multiple of 5 stays
+
+    def notebook(heading: str, words: int) -> str:
+        return json.dumps({"cells": [{"cell_type": "markdown", "source": [heading + "\n", "w " * words]}]})
+
+    (tmp_path / "lessons").mkdir()
+    (tmp_path / "exercises").mkdir()
+    (tmp_path / "lessons" / "03_memory.ipynb").write_text(notebook("# 03 · Where the memory goes", 600))
+    (tmp_path / "exercises" / "03_memory.ipynb").write_text(notebook("# Exercise 03 · A calculator", 0))
+    assert course_map(tmp_path) == [Lesson("03", "Where the memory goes", "A calculator", 607, 0)]  # + 7 of the heading
+    with pytest.raises(FileNotFoundError, match="run it from a clone of the course"):
+        course_map(tmp_path / "nowhere")
