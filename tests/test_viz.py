@@ -198,7 +198,7 @@ def test_memory_compare_side_by_side_on_one_scale():
     fig = viz.plot_memory_compare({"DDP": [DDP_TIMELINE] * 2, "FSDP": [fsdp_timeline(0), fsdp_timeline(1)]})
     assert [ax.get_title() for ax in fig.axes] == ["DDP", "FSDP"]
     assert fig.axes[0].get_ylim() == fig.axes[1].get_ylim()
-    assert len(patches(fig, "rank")) == 4
+    assert len(patches(fig, "rank")) == 3  # DDP's two ranks are equal: one line, labelled with both
     fig = viz.plot_memory_compare({"DDP": [DDP_TIMELINE], "FSDP": [fsdp_timeline(0)]}, kind="stack")
     assert len(patches(fig, "cat:")) > 0
 
@@ -317,3 +317,19 @@ def test_zero_bars_bad_input():
         viz.plot_zero_bars(1000, 4, optimizer="lion")
     with pytest.raises(ValueError, match="world_size"):
         viz.zero_bytes(1000, 0, 0)
+
+
+def test_memory_timeline_names_phases_says_which_ranks_coincide_and_hatches_shards():
+    fig = viz.plot_memory_timeline([fsdp_timeline(0)] * 3 + [fsdp_timeline(1)], kind="lines")
+    lines = patches(fig, "rank")
+    assert [line.get_label() for line in lines] == ["ranks 0, 1, 2 (equal)", "rank 3"]  # one line, said on it
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["forward", "backward", "optimizer step"]
+    events = ("forward done", "backward done", "reduce_scatter bucket 3", "step starts")
+    assert [viz.timeline._phase(e) for e in events] == ["forward", "backward", "backward", "step starts"]
+    assert [p.get_gid() for p in patches(fig, "phase:")] == ["phase:forward", "phase:backward"]  # shaded runs
+    (peak,) = patches(fig, "peak")
+    assert peak.get_text() == "peak 1.07 KiB: pre_backward: unshard layers.0"  # the bytes, and the event
+    bars = viz.plot_memory_timeline([fsdp_timeline(0)])
+    assert {b.get_hatch() for b in patches(bars, "cat:sharded_")} == {"///"}
+    assert {b.get_hatch() for b in patches(bars, "cat:gathered_params")} == {None}

@@ -46,6 +46,7 @@ TEXT: dict[str, str] = {
     "reduce_scatter gradients": "reduce_scatter 梯度",
     "forward done": "前向传播结束", "backward done": "反向传播结束", "optimizer step": "优化器更新",
     "step starts": "本步开始", "init": "初始化",
+    "forward": "前向传播", "backward": "反向传播",  # the phases on a memory timeline's axis
     "collectives per step (α-β fit)": "每步的集合通信（α-β 拟合）",
     "model state per rank (KiB)": "每个 rank 的模型状态（KiB）",
     "MB per rank": "每个 rank 的 MB",
@@ -112,6 +113,7 @@ PATTERNS: list[tuple[str, str]] = [
     (r"rank (\d+): collectives run ([\d.]+) ms, ([\d.]+) ms of it while a unit computes",
      r"rank \1：集合通信共 \2 ms，其中 \3 ms 与某个单元的计算重叠"),
     (r"bytes \((\w+)\)", r"字节（\1）"),
+    (r"ranks ([\d, ]+) \(equal\)", r"rank \1（相同）"),
     (r"peak (.+)", r"峰值 \1"),
     (r"Memory per rank over one step \(rank (\d+)\)", r"一步之内每个 rank 的内存（rank \1）"),
     (r"element of the flat parameter: (\d+) elements \+ (\d+) padding = (\d+) shards x (\d+) \((.+) per rank\)",

@@ -18,6 +18,17 @@ RANK_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
 CATEGORY_COLORS = {"params": "#4c72b0", "sharded_params": "#64b5cd", "gathered_params": "#8172b3",
                    "grads": "#dd8452", "sharded_grads": "#ccb974", "optimizer": "#55a868",
                    "buffers": "#937860", "gathered": "#8172b3", "other": "#b0b0b0", "total": "#8c8c8c"}
+CATEGORY_HATCHES = {"sharded_params": "///", "sharded_grads": "///"}  # a shard: its family's colour, hatched
+
+
+def category_style(category: str) -> dict[str, str]:
+    """The bar colour of a memory category, and a hatch for the sharded ones (a shard of params is not params)."""
+    style = {"color": CATEGORY_COLORS.get(category, "#b0b0b0")}
+    if category in CATEGORY_HATCHES:
+        style |= {"hatch": CATEGORY_HATCHES[category], "edgecolor": "white"}
+    return style
+
+
 OP_COLORS = {"all_gather": "#4c72b0", "reduce_scatter": "#c44e52", "all_reduce": "#dd8452",
              "broadcast": "#55a868", "barrier": "#b0b0b0"}
 EVENT_STYLES = {"unshard": ("#2ca02c", "--"), "reshard": ("#d62728", ":"), "reduce_scatter": ("#9467bd", "-."),

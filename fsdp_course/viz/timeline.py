@@ -14,7 +14,15 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from fsdp_course.viz.style import CATEGORY_COLORS, EVENT_STYLES, byte_axis, format_bytes, new_figure, rank_color
+from fsdp_course.viz.style import (
+    CATEGORY_COLORS,
+    EVENT_STYLES,
+    byte_axis,
+    category_style,
+    format_bytes,
+    new_figure,
+    rank_color,
+)
 
 Timeline = Sequence[tuple[str, Mapping[str, int]]]
 
@@ -64,10 +72,32 @@ def _mark_events(ax: Any, labels: Sequence[str], legend: dict[str, Any]) -> None
             legend[kind] = ax.axvline(x, color=color, linestyle=style, linewidth=1, alpha=0.7, label=kind)
 
 
+def _phase(label: str) -> str:
+    """The phase an event belongs to: "forward" (forward: ..., forward done), "backward" (pre_/post_backward: ...,
+    backward done, and DDP's and ZeRO's gradient reductions), or itself."""
+    if label.split(" ", 1)[0] in ("reduce_scatter", "all_reduce"):
+        return "backward"
+    head = label.split(":", 1)[0] if ":" in label else label.removesuffix(" done")
+    return {"forward": "forward", "backward": "backward", "pre_backward": "backward", "post_backward": "backward"}.get(
+        head, label)
+
+
 def _event_ticks(ax: Any, labels: Sequence[str]) -> None:
-    step = max(1, len(labels) // 40)
-    ax.set_xticks(range(0, len(labels), step), [labels[i] for i in range(0, len(labels), step)],
-                  rotation=70, ha="right", fontsize=7, rotation_mode="anchor")
+    """One tick per phase (a run of events of one phase), at its middle; runs of several events are shaded."""
+    runs: list[tuple[str, int, int]] = []  # (phase, first event, last event)
+    for i, label in enumerate(labels):
+        phase = _phase(label)
+        if runs and runs[-1][0] == phase:
+            runs[-1] = (phase, runs[-1][1], i)
+        else:
+            runs.append((phase, i, i))
+    for phase, first, last in runs:
+        if last > first:
+            ax.axvspan(first - 0.5, last + 0.5, color="#f0f0f0", zorder=0, gid=f"phase:{phase}")
+    tilt = len(runs) > 6
+    ax.set_xticks([(first + last) / 2 for _, first, last in runs], [phase for phase, _, _ in runs],
+                  rotation=30 if tilt else 0, ha="right" if tilt else "center", fontsize=8)
+    ax.set_xlim(-0.5, len(labels) - 0.5)
 
 
 def _draw_stack(ax: Any, timeline: Timeline, categories: list[str], legend: dict[str, Any]) -> float:
@@ -75,8 +105,8 @@ def _draw_stack(ax: Any, timeline: Timeline, categories: list[str], legend: dict
     bottom = [0.0] * len(timeline)
     for c in categories:
         values = [float(snap.get(c, 0)) for _, snap in timeline]
-        legend[c] = ax.bar(range(len(timeline)), values, bottom=bottom, width=0.85,
-                           color=CATEGORY_COLORS.get(c, "#b0b0b0"), label=c, gid=f"cat:{c}")
+        legend[c] = ax.bar(range(len(timeline)), values, bottom=bottom, width=0.85, label=c, gid=f"cat:{c}",
+                           **category_style(c))
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     _mark_events(ax, labels, legend)
     peak = max(bottom)
@@ -88,15 +118,25 @@ def _draw_stack(ax: Any, timeline: Timeline, categories: list[str], legend: dict
 
 def _draw_lines(ax: Any, timelines: list[tuple[int, Timeline]], categories: list[str],
                 legend: dict[str, Any]) -> float:
+    """One line per group of ranks whose totals are equal at every event, labelled with all of them (so ranks
+    that coincide are said to, instead of hiding under each other); the peak annotated with its event."""
+    groups: dict[tuple[float, ...], list[int]] = {}
+    for rank, t in timelines:
+        groups.setdefault(tuple(float(sum(snap.get(c, 0) for c in categories)) for _, snap in t), []).append(rank)
     top = 0.0
-    for i, (rank, t) in enumerate(timelines):  # rank 0 drawn widest, so equal lines stay visible
-        totals = [float(sum(snap.get(c, 0) for c in categories)) for _, snap in t]
-        width = 1.2 + 2.4 * (len(timelines) - 1 - i) / max(1, len(timelines) - 1)
-        legend[f"rank {rank}"], = ax.plot(range(len(t)), totals, marker="o", markersize=2 + width,
-                                         drawstyle="steps-mid", linewidth=width, color=rank_color(rank),
-                                         label=f"rank {rank}", gid=f"rank{rank}")
+    for totals, ranks in groups.items():
+        name = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} (equal)"
+        legend[name], = ax.plot(range(len(totals)), totals, marker="o", markersize=3, drawstyle="steps-mid",
+                                linewidth=1.6, color=rank_color(ranks[0]), label=name,
+                                gid="rank" + "_".join(map(str, ranks)))
         top = max(top, *totals)
-    _mark_events(ax, [label for label, _ in timelines[0][1]], legend)
+    labels = [label for label, _ in timelines[0][1]]
+    first = next(iter(groups))
+    at = first.index(max(first))
+    ax.annotate(f"peak {format_bytes(first[at])}: {labels[at]}", (at, first[at]), xytext=(0, 4),
+                textcoords="offset points", ha="center" if 0.2 < at / max(1, len(labels) - 1) < 0.8 else
+                ("left" if at < len(labels) / 2 else "right"), fontsize=7, gid="peak")
+    _mark_events(ax, labels, legend)
     return top
 
 

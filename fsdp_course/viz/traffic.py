@@ -67,7 +67,7 @@ def plot_traffic(ledgers_or_records: Any, psi_bytes: float, world_size: int, *, 
     for x, total in enumerate(bottom):
         ax.annotate(format_bytes(total), (x, total), xytext=(0, 3), textcoords="offset points",
                     ha="center", fontsize=8)
-    for key, text, style in (("ddp", "DDP: 2Ψ(N−1)/N", "--"), ("fsdp", "FSDP: 3Ψ(N−1)/N", ":")):
+    for key, text, style in (("ddp", "DDP: 2(N−1)/N × payload", "--"), ("fsdp", "FSDP: 3(N−1)/N × payload", ":")):
         ax.axhline(formula[key], color="black", linestyle=style, linewidth=1,
                    label=f"{text} = {format_bytes(formula[key])}", gid=f"formula:{key}")
     tilt = len(labels) > 4
