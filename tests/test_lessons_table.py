@@ -40,6 +40,11 @@ def test_the_course_map_reads_every_lesson_its_exercise_and_its_text(tmp_path: P
     (tmp_path / "exercises").mkdir()
     (tmp_path / "lessons" / "03_memory.ipynb").write_text(notebook("# 03 · Where the memory goes", 600))
     (tmp_path / "exercises" / "03_memory.ipynb").write_text(notebook("# Exercise 03 · A calculator", 0))
-    assert course_map(tmp_path) == [Lesson("03", "Where the memory goes", "A calculator", 607, 0)]  # + 7 of the heading
+    assert course_map(tmp_path) == [Lesson("03", "Where the memory goes", "A calculator", 607, 0, 607, 0)]  # + heading
+    deeper = json.loads(notebook("# 03 · Where the memory goes", 600))
+    deeper["cells"].append({"cell_type": "markdown", "source": ["## Going deeper\n", "w " * 900]})
+    (tmp_path / "lessons" / "03_memory.ipynb").write_text(json.dumps(deeper))
+    (found,) = course_map(tmp_path)
+    assert (found.spine_words, found.words, found.spine_minutes, found.minutes) == (607, 1510, 5, 15)
     with pytest.raises(FileNotFoundError, match="run it from a clone of the course"):
         course_map(tmp_path / "nowhere")
