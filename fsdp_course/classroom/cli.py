@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -87,5 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     return exercises.main([args.action])
 
 
+def entry() -> None:
+    """The `fsdp-course` command: `main`, then exit with its status. After a stop by Ctrl-C or SIGTERM (130, 143)
+    further signals are ignored: Python resets its handlers while it shuts down, and a second Ctrl-C landing then
+    (a terminal and `timeout` each send one) would kill the process by the signal, hiding the status."""
+    status = main()
+    if status in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)  # kept through shutdown, unlike a Python handler
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
