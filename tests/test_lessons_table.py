@@ -30,8 +30,8 @@ def test_the_course_map_reads_every_lesson_its_exercise_and_its_text(tmp_path: P
     exercised = {p.name[:2] for p in (ROOT / "exercises").glob("*.ipynb")}
     assert all((m.exercise is not None) == (m.number in exercised) for m in lessons)
     assert lessons[0].title == "Welcome: how this course works" and lessons[0].exercise is None
-    assert Lesson("01", "t", None, words=151, code_lines=0).minutes == 5  # 1.01 minutes, rounded up to 5
-    assert Lesson("01", "t", None, words=1500, code_lines=100).minutes == 20  # 10 + 10: a multiple of 5 stays
+    assert Lesson("01", "t", None, 151, 0, 151, 0).minutes == 5  # 1.01 minutes, rounded up to 5
+    assert Lesson("01", "t", None, 1500, 100, 0, 0).minutes == 20  # 10 + 10: a multiple of 5 stays
 
     def notebook(heading: str, words: int) -> str:
         return json.dumps({"cells": [{"cell_type": "markdown", "source": [heading + "\n", "w " * words]}]})

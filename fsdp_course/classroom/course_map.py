@@ -25,8 +25,8 @@ class Lesson:
     exercise: str | None  # the exercise's heading, or None
     words: int            # of its markdown
     code_lines: int       # of its code cells, blank lines left out
-    spine_words: int = 0  # the same, before its "## Going deeper" part (all of it when it has none)
-    spine_code_lines: int = 0
+    spine_words: int      # the same, before its "## Going deeper" part (all of it when it has none)
+    spine_code_lines: int
 
     @property
     def minutes(self) -> int:

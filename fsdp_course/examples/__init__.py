@@ -6,6 +6,7 @@ tests run the same file."""
 from __future__ import annotations
 
 import os
+import pkgutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -13,7 +14,7 @@ from importlib import import_module
 
 __all__ = ["run", "show"]
 
-PROGRAMS = ("killed_run", "late_rank", "no_padding", "peers", "stale_store")
+PROGRAMS = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
 
 
 def _module(name: str) -> str:

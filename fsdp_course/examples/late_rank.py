@@ -13,13 +13,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from fsdp_course.runtime.context import article_gloo_group
+
 
 def rank(r: int, store_path: str, errors: dict[int, str]) -> None:
-    options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    options._timeout = datetime.timedelta(seconds=10)            # to connect: a loaded machine may need more than 1 s
-    group = dist.ProcessGroupGloo(dist.FileStore(store_path, 2), r, 2, options)
-    group._set_default_timeout(datetime.timedelta(seconds=1.0))  # the collectives': the article's 5 s, scaled down
+    group = article_gloo_group(dist.FileStore(store_path, 2), r, 2, seconds=10)  # 10 s: a loaded machine connects
+    group._set_default_timeout(datetime.timedelta(seconds=1.0))  # slowly; the collectives': the article's 5 s, scaled
     if r == 1:
         time.sleep(2.0)                                          # rank 1 is late: a slower step
     try:

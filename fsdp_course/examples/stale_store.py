@@ -10,16 +10,16 @@ import sys
 
 import torch.distributed as dist
 
+from fsdp_course.runtime.context import article_gloo_group
+
 
 def main(store_path: str) -> None:
     store = dist.FileStore(store_path, 2)
     store.set_timeout(datetime.timedelta(seconds=2))
     print("keys 0/0 and 0/1 (the two ranks' addresses) there before this run wrote any:", store.check(["0/0", "0/1"]))
     try:
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        options._timeout = datetime.timedelta(seconds=0.5)  # Gloo retries connecting for a few times this long
-        dist.ProcessGroupGloo(store, 0, 2, options)         # rank 0 of 2; rank 1 has not started yet
+        article_gloo_group(store, 0, 2, seconds=0.5)        # rank 0 of 2, rank 1 not started yet (Gloo tries to
+                                                            # connect for a few times 0.5 s)
         print("rank 0 joined")
     except RuntimeError as err:                             # refused, or timed out: it depends on timing
         mesh = "Gloo connectFullMesh failed" in str(err)

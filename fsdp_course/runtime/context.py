@@ -56,6 +56,17 @@ def gloo_group(store: dist.Store, rank: int, world_size: int, timeout: float) ->
     return group
 
 
+def article_gloo_group(store: dist.Store, rank: int, world_size: int, *, seconds: float,
+                       hostname: str = "127.0.0.1") -> dist.ProcessGroup:
+    """A `ProcessGroupGloo` built as the article's Java constructor builds it: one device on `hostname`
+    (`createDeviceForHostname`) and one timeout (`options.timeout`), which Gloo uses to connect and for every
+    collective. Lesson 10 and its programs; `gloo_group` above is what the course itself uses."""
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+    options._timeout = datetime.timedelta(seconds=seconds)
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
 class RankContext:
     """One rank's view of the world. Collectives are methods, so `ctx.all_reduce(t)` reads naturally."""
 
