@@ -65,6 +65,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # xdist's controller: hand out the files in FIRST's order
+        config.option.loadscopereorder = False  # (--no-loadscope-reorder)
     if config.getoption("--notebook-numerics") == "portable":
         import portable
 
@@ -98,10 +100,19 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         config._fsdp_course_phases = phases.start_all(Path(os.environ[phases.SHARED]))  # type: ignore[attr-defined]
 
 
-# The files that mostly wait (kernels starting, notebooks graded in subprocesses, a browser): first, so that they
-# overlap the rest instead of being the last file of a worker while the other worker is idle (the nbgrader course
-# started 590 s into a 620 s run). The torchrun launches' readers stay where they are: they wait for the launches.
-FIRST = ("tests/test_grading.py", "tests/test_grading_nbgrader.py", "tests/test_browser.py")
+# xdist hands out one file at a time, in this order, to whichever worker runs short. The longest files go first
+# (seconds in a full run on 2 cores), so that the run does not end with one worker finishing lesson 11 while the other
+# is idle; the files that read the torchrun launches come after them, when the launches have ended (tests/phases.py).
+# xdist would otherwise sort the files by their number of tests, which put the longest ones last.
+FIRST = ("tests/test_grading.py",                     # 91 s, most of it waiting for graded notebooks
+         "lessons/11_real_fsdp.ipynb",                # 71 s: five torchrun jobs
+         "tests/test_browser.py",                     # 70 s: JupyterLab and Chromium
+         "lessons/08_transformer.ipynb",              # 61 s: six trainings
+         "lessons/10_distributed_pitfalls.ipynb",     # 43 s
+         "tests/test_exercises.py",                   # 40 s: every exercise, unsolved, in one kernel
+         "lessons/15_finetune.ipynb", "lessons/17_checkpoints.ipynb",  # 36 s, 35 s
+         "tests/test_grading_nbgrader.py",            # 34 s: nbgrader's own course
+         "lessons/14_hsdp.ipynb", "lessons/12_mixed_precision.ipynb")  # 32 s, 28 s
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
