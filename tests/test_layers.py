@@ -126,5 +126,18 @@ def test_a_program_not_in_examples_is_refused_naming_those_there() -> None:
     import fsdp_course.examples as examples
 
     assert {"peers", "late_rank", "stale_store"} <= set(examples.PROGRAMS)
-    with pytest.raises(ValueError, match="no program 'peer' in fsdp_course.examples: there are killed_run"):
+    with pytest.raises(ValueError, match="no program 'peer' in fsdp_course.examples: there are dtensor_demo, "):
         examples.run("peer", workdir=".")
+
+
+def test_a_job_expected_to_succeed_fails_with_the_end_of_its_errors() -> None:
+    import subprocess
+
+    import pytest
+
+    import fsdp_course.examples as examples
+
+    ok = subprocess.CompletedProcess(["x"], 0, "out", "")
+    assert examples.finish(ok, "the job") is ok
+    with pytest.raises(RuntimeError, match=r"the job failed \(exit code 3\); the end of its output:\n.*Address"):
+        examples.finish(subprocess.CompletedProcess(["x"], 3, "", "x" * 5000 + "Address already in use"), "the job")
