@@ -15,40 +15,45 @@ from pathlib import Path
 
 from fsdp_course.runtime.ports import free_port
 
-__all__ = ["LAUNCH_LOG", "TORCHRUN", "count_launches", "start_torchrun", "torchrun_command"]
+__all__ = ["LAUNCH_LOG", "TORCHRUN", "count_launches", "record_launch", "start_torchrun", "torchrun_command",
+           "torchrun_flags"]
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 LAUNCH_LOG = "FSDP_COURSE_LAUNCH_LOG"
 
 
-def torchrun_command(script: str | os.PathLike, nproc: int, *args: str, nodes: tuple[int, int, int] | None = None,
-                     module: bool = False) -> list[str]:
-    """`torchrun --nproc-per-node nproc script *args` on 127.0.0.1 with no restarts. `nodes=(k, n, port)` makes it
-    node k of n "nodes" meeting at 127.0.0.1:port through the c10d rendezvous (which assigns the ranks);
-    `module=True` runs `python -m script`."""
+def torchrun_flags(nproc: int, *, port: int | None = None, nodes: tuple[int, int, int] | None = None) -> list[str]:
+    """torchrun's options for `nproc` processes on 127.0.0.1: one node meeting at `port` (a free one if None), or
+    with `nodes=(k, n, port)` node k of n "nodes" meeting there through the c10d rendezvous (which assigns ranks)."""
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     if nodes is None:
-        where = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    else:
-        k, n, port = nodes
-        if not 0 <= k < n:
-            raise ValueError(f"node {k} is not one of {n} nodes")
-        where = ["--nnodes", str(n), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                 "--rdzv-id", f"fsdp_course{port}", "--local-addr", "127.0.0.1"]
+        return ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
+                str(port or free_port())]
+    k, n, port = nodes
+    if not 0 <= k < n:
+        raise ValueError(f"node {k} is not one of {n} nodes")
+    return ["--nproc-per-node", str(nproc), "--nnodes", str(n), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-id", f"fsdp_course{port}", "--local-addr", "127.0.0.1"]
+
+
+def torchrun_command(script: str | os.PathLike, nproc: int, *args: str, nodes: tuple[int, int, int] | None = None,
+                     module: bool = False) -> list[str]:
+    """`torchrun [torchrun_flags] script *args` with no restarts; `module=True` runs `python -m script`."""
     target = ["-m", str(script)] if module else [str(script)]
-    return [TORCHRUN, "--nproc-per-node", str(nproc), *where, "--max-restarts", "0", *target, *args]
+    return [TORCHRUN, *torchrun_flags(nproc, nodes=nodes), "--max-restarts", "0", *target, *args]
 
 
 def start_torchrun(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
                    what: str = "") -> subprocess.Popen:
     """Start `cmd` (from `torchrun_command`) with one intra-op thread per process, its output captured as text."""
-    _record(cmd, what)
+    record_launch(cmd, what)
     env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
 
 
-def _record(cmd: Sequence[str], what: str) -> None:
+def record_launch(cmd: Sequence[str], what: str) -> None:
+    """Append one line for this torchrun command to the launch log, where `FSDP_COURSE_LAUNCH_LOG` names one."""
     log = os.environ.get(LAUNCH_LOG)
     if not log:
         return
