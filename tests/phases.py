@@ -29,7 +29,7 @@ LAUNCHES: dict[str, tuple[int, int, list[str]]] = {  # name: (nodes, processes p
     "pair": (1, 2, ["hello", "torch_claims", "lora", "train_features", "train_torch", "dcp_save",
                     "fully_shard_planted"]),
     "three": (1, 3, ["per_param", "dcp_load"]),
-    "four": (2, 2, ["hsdp", "train_ours"]),  # two "nodes" of two processes, c10d rendezvous
+    "four": (2, 2, ["hsdp", "train_ours", "torch_claims_hsdp"]),  # two "nodes" of two processes, c10d rendezvous
 }
 PHASES = {
     "hello": ("test_torchrun", "phase"),
@@ -43,6 +43,7 @@ PHASES = {
     "dcp_load": ("test_dcp", "phase_load"),
     "hsdp": ("test_hsdp", "in_torchrun"),
     "train_ours": ("test_train", "phase_ours"),
+    "torch_claims_hsdp": ("test_torch_claims", "phase_hsdp"),
 }
 AFTER = {"three": ["pair"]}  # dcp_load reads what dcp_save wrote
 TIMEOUT = 600.0

@@ -1,8 +1,9 @@
 """Claims the lessons make about PyTorch itself, checked against torch in real processes under torchrun.
 
-Every claim runs in the 2 processes of the suite's "pair" launch (tests/phases.py: Gloo, CPU); each process writes
-what it found to `rank{R}.json` (a file, not stdout: two processes' long lines interleave in one pipe), and each
-test asserts on what both ranks reported for its claim.
+Every claim runs in the 2 processes of the suite's "pair" launch (tests/phases.py: Gloo, CPU), HSDP's in the 4 of
+the "four" launch; each process writes what it found to `rank{R}.json` (a file, not stdout: processes' long lines
+interleave in one pipe), and each test asserts on what every rank reported for its claim. Collectives are observed
+by wrapping `torch.distributed`'s functions (`issued`), the order of the backward by an identity on each weight.
 
 - `fully_shard` broadcasts nothing at construction (lessons 00 and 06). torch/distributed/fsdp/_fully_shard/
   _fully_shard.py and _fsdp_init.py issue no collective (`_move_states_to_device` only moves tensors), and
@@ -24,6 +25,13 @@ test asserts on what both ranks reported for its claim.
 - An optimizer built before `fully_shard` trains nothing, silently (lesson 10, pitfall 5.4): `fully_shard` replaces
   every parameter with a DTensor one (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, `FSDPParam`), so the
   optimizer's tensors get no gradient and `step()` skips them; built after it, from `model.parameters()`, it trains.
+- A unit whose forward inputs need no gradient (token ids, data) gets no post-backward hook (lesson 11): FSDP2
+  attaches it to those inputs (`FSDPParamGroup._register_post_backward_hook`), so its reduce-scatter waits for the
+  root's final callback, after the whole backward; `set_unshard_in_backward(False)` spares an embedding's re-gather.
+- `fully_shard` on a 2-D mesh (lesson 14): all-gathers and AVG reduce-scatters in the shard group, the root
+  gathered once per step, then an AVG all-reduce of each reduced shard in the replicate group (`foreach_reduce`,
+  torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py); `set_requires_all_reduce(False)` keeps the
+  reduce-scatters of a microbatch and defers the all-reduce to the last one.
 - The article's `AutoWrapPolicy.TRANSFORMER_BASED` names nothing in torch's FSDP (lesson 10, pitfall 5.3): its
   policies are `ModuleWrapPolicy` and `transformer_auto_wrap_policy` (torch/distributed/fsdp/wrap.py), and the C++
   library's bindings, what the article's JavaCPP wraps, hold Gloo and no FSDP. A Gloo device can be given a network
@@ -32,8 +40,10 @@ test asserts on what both ranks reported for its claim.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,8 +157,149 @@ def claim_optimizer_before_fully_shard(rank: int) -> dict[str, Any]:
     return out
 
 
+# (op, the argument holding the full tensor): the collectives fully_shard issues, by their torch.distributed names
+ISSUED = {"all_gather_single": ("all_gather", "output_tensor"), "reduce_scatter_single": ("reduce_scatter", "input"),
+          "all_reduce": ("all_reduce", "tensor")}
+
+
+@contextlib.contextmanager
+def issued(events: list[Any]) -> Iterator[None]:
+    """While active, each of ISSUED's collectives is appended to `events` as [op, its group's ranks, the numel of
+    the full tensor, the reduce op], before it runs."""
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in ISSUED}
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        op, full = ISSUED[name]
+        signature = inspect.signature(fn)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs).arguments
+            group = bound.get("group") or dist.group.WORLD
+            events.append([op, dist.get_process_group_ranks(group), bound[full].numel(), str(bound.get("op"))])
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+class Tap(torch.autograd.Function):
+    """Identity on a weight; its backward notes in `events` that the weight's gradient has been computed."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, events: list[Any], name: str) -> torch.Tensor:
+        ctx.events, ctx.name = events, name
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.events.append(["computed", ctx.name])
+        return grad, None, None
+
+
+class Tapped(nn.Linear):
+    def __init__(self, n_in: int, n_out: int, events: list[Any], name: str) -> None:
+        super().__init__(n_in, n_out)
+        self.events, self.name = events, name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, Tap.apply(self.weight, self.events, self.name), self.bias)
+
+
+class TwoBranches(nn.Module):  # A(x) + B(x): after one branch's backward the other's still runs
+    def __init__(self, events: list[Any]) -> None:
+        super().__init__()
+        self.a, self.b = Tapped(8, 4, events, "a"), Tapped(8, 4, events, "b")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+def claim_unit_without_input_gradients(rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    out: dict[str, Any] = {}
+    for needs_grad in (False, True):  # the units' forward input: token-like data, or an activation
+        events: list[Any] = []
+        torch.manual_seed(0)
+        model = TwoBranches(events)
+        fully_shard(model.a, mesh=mesh)
+        fully_shard(model.b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)).requires_grad_(needs_grad)
+        loss = model(x).square().mean()
+        with issued(events):
+            loss.backward()
+        out[str(needs_grad)] = [e[:2] for e in events if e[0] in ("computed", "reduce_scatter")]
+    grads = {}  # an embedding unit told not to unshard in the backward: gathered once per step
+    for unshard_in_backward in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 4))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model[0].set_unshard_in_backward(unshard_in_backward)
+        tokens = torch.randint(0, 16, (4, 3), generator=torch.Generator().manual_seed(rank))
+        with issued(events := []):
+            model(tokens).square().mean().backward()
+        out[f"embedding_gathers_{unshard_in_backward}"] = sum(1 for e in events if e[0] == "all_gather")
+        grads[unshard_in_backward] = model[0].weight.grad.full_tensor()
+    out["embedding_same_gradient"] = torch.equal(grads[True], grads[False])
+    return out
+
+
+def claim_hsdp_collectives(rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))  # the last Linear: the root's own
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
+    out: dict[str, Any] = {"unit": sum(p.numel() for p in nn.Linear(8, 6).parameters()),
+                           "root": sum(p.numel() for p in nn.Linear(6, 4).parameters())}
+    model = build()
+    with issued(events := []):  # one step
+        model(batches[0]).square().mean().backward()
+    out["step"] = events
+    grads = {}
+    for mode in ("every", "last"):  # two microbatches: all-reduce after each, or only after the last
+        model = build()
+        events = []
+        for i, x in enumerate(batches):
+            if mode == "last":
+                model.set_requires_all_reduce(i == len(batches) - 1)
+            with issued(events):
+                model(x).square().mean().backward()
+        out[mode] = events
+        grads[mode] = [p.grad.full_tensor() for p in model.parameters()]
+    out["accumulated_gap"] = max((a - b).abs().max().item() for a, b in zip(*grads.values(), strict=True))
+    return out
+
+
+def phase_hsdp(out: Path) -> None:  # in each process of the "four" launch (tests/phases.py): a 2 x 2 mesh
+    import torch.distributed as dist
+
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(claim_hsdp_collectives(dist.get_rank())))
+
+
 CLAIMS = {"fully_shard_init": claim_fully_shard_init, "ddp_buckets": claim_ddp_buckets,
-          "optimizer_before_fully_shard": claim_optimizer_before_fully_shard}
+          "optimizer_before_fully_shard": claim_optimizer_before_fully_shard,
+          "unit_without_input_gradients": claim_unit_without_input_gradients}
 
 
 def phase(out: Path) -> None:  # in each process of the "pair" launch (tests/phases.py), the world joined
@@ -247,3 +398,53 @@ def test_a_gloo_device_can_name_a_network_interface() -> None:
     if loopback is None:
         pytest.skip("this machine names no loopback interface lo*")
     assert dist.ProcessGroupGloo.create_device(interface=loopback) is not None
+
+
+def test_a_unit_whose_inputs_need_no_gradient_reduces_after_the_whole_backward(reports: list[dict[str, Any]]) -> None:
+    # lesson 11: FSDP2 hooks a unit's post-backward to its forward inputs that require a gradient; with none (token
+    # ids, data), the unit's reduce-scatter waits for the root's final callback, after every gradient is computed
+    for out in (r["unit_without_input_gradients"] for r in reports):
+        data, activation = out["False"], out["True"]
+        last_compute = max(i for i, e in enumerate(data) if e[0] == "computed")
+        first_reduce = min(i for i, e in enumerate(data) if e[0] == "reduce_scatter")
+        assert len(data) == 4 and first_reduce > last_compute, f"no reduce-scatter overlaps the backward: {data}"
+        assert activation[1][0] == "reduce_scatter" and activation[2][0] == "computed", \
+            f"inputs with a gradient: one unit reduces while the other still computes: {activation}"
+        assert out["embedding_gathers_True"] == 3 and out["embedding_gathers_False"] == 2, \
+            "set_unshard_in_backward(False): the embedding is gathered for its forward only"
+        assert out["embedding_same_gradient"], "and its gradient is the same"
+
+
+@pytest.fixture(scope="module")
+def hsdp_reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = launched(tmp_path_factory, "torch_claims_hsdp")
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+
+
+def test_fully_shard_on_a_2d_mesh_gathers_in_rows_and_all_reduces_the_shard_in_columns(
+        hsdp_reports: list[dict[str, Any]]) -> None:
+    # lesson 14: init_device_mesh("cpu", (2, 2)); per step the shard group (a row) all-gathers the unit twice and
+    # the root once (the root is not resharded after the forward), reduce-scatters each with AVG, and the
+    # replicate group (a column) all-reduces each reduced shard with AVG
+    for rank, out in enumerate(hsdp_reports):
+        unit, root = out["unit"], out["root"]
+        row, column = [rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2]
+        step = out["step"]
+        assert {tuple(e[1]) for e in step if e[0] != "all_reduce"} == {tuple(row)}
+        assert {tuple(e[1]) for e in step if e[0] == "all_reduce"} == {tuple(column)}
+        assert sorted(e[2] for e in step if e[0] == "all_gather") == sorted([unit, unit, root]), \
+            "gathered: (3Ψ - Ψ_root) over 3 collectives per unit"
+        assert sorted(e[2] for e in step if e[0] == "reduce_scatter") == sorted([unit, root])
+        assert sorted(e[2] for e in step if e[0] == "all_reduce") == sorted([unit // 2, root // 2]), "Ψ/S each"
+        assert {e[3] for e in step if e[0] != "all_gather"} == {"RedOpType.AVG"}
+
+
+def test_set_requires_all_reduce_false_skips_the_replicate_all_reduce_until_the_last_microbatch(
+        hsdp_reports: list[dict[str, Any]]) -> None:
+    # lesson 14: FSDP2's HSDP gradient accumulation, reduce-scatter every microbatch, all-reduce once
+    for out in hsdp_reports:
+        count = {mode: {op: sum(1 for e in out[mode] if e[0] == op) for op in ("reduce_scatter", "all_reduce")}
+                 for mode in ("every", "last")}
+        assert count["every"] == {"reduce_scatter": 4, "all_reduce": 4}, count
+        assert count["last"] == {"reduce_scatter": 4, "all_reduce": 2}, count
+        assert out["accumulated_gap"] < 1e-6, "the same accumulated gradient"
