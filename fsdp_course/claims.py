@@ -11,6 +11,7 @@ values (counts, bytes, shapes) are printed as they are. At the end of the block 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ class _Claim:
 
 def _number(x: Any) -> float:
     value = x.item() if hasattr(x, "item") else x  # a 0-dim tensor or a numpy scalar
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # int, float, Fraction
         raise TypeError(f"a claim compares numbers, got {type(x).__name__}")
     return float(value)
 

@@ -4,11 +4,12 @@ every false claim named at the end of the block."""
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
 
-from fsdp_course.claims import ClaimsFailed, claims
+from fsdp_course.claims import Claims, ClaimsFailed, claims
 
 
 def test_true_claims_print_aligned_lines_that_do_not_depend_on_rounding_noise(capsys: pytest.CaptureFixture[str]
@@ -32,6 +33,13 @@ def test_true_claims_print_aligned_lines_that_do_not_depend_on_rounding_noise(ca
         "accuracy                               in [0, 1]  ✓",
         "every rank holds the same shard                   ✓",
     ], printed[0]
+
+
+def test_exact_fractions_are_numbers_too() -> None:
+    c = Claims()
+    assert c.between(Fraction(21, 8), 1, Fraction(21, 8), "an exact ratio")
+    assert c.equal(Fraction(3, 2) * 8, 12, "1.5 R")
+    assert c.lines() == ["an exact ratio  in [1, 2.625]  ✓", "1.5 R                      12  ✓"]
 
 
 def test_every_false_claim_is_named_with_what_was_measured(capsys: pytest.CaptureFixture[str]) -> None:
