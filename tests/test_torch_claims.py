@@ -32,6 +32,9 @@ by wrapping `torch.distributed`'s functions (`issued`), the order of the backwar
   gathered once per step, then an AVG all-reduce of each reduced shard in the replicate group (`foreach_reduce`,
   torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py); `set_requires_all_reduce(False)` keeps the
   reduce-scatters of a microbatch and defers the all-reduce to the last one.
+- Attention (lessons 13, 15): `scaled_dot_product_attention`'s fused CPU kernel saves no tokens x tokens matrix for
+  the backward, its math fallback does; `nn.MultiheadAttention` has one `in_proj_weight` only when queries, keys
+  and values share one embedding size.
 - The article's `AutoWrapPolicy.TRANSFORMER_BASED` names nothing in torch's FSDP (lesson 10, pitfall 5.3): its
   policies are `ModuleWrapPolicy` and `transformer_auto_wrap_policy` (torch/distributed/fsdp/wrap.py), and the C++
   library's bindings, what the article's JavaCPP wraps, hold Gloo and no FSDP. A Gloo device can be given a network
@@ -448,3 +451,31 @@ def test_set_requires_all_reduce_false_skips_the_replicate_all_reduce_until_the_
         assert count["every"] == {"reduce_scatter": 4, "all_reduce": 4}, count
         assert count["last"] == {"reduce_scatter": 4, "all_reduce": 2}, count
         assert out["accumulated_gap"] < 1e-6, "the same accumulated gradient"
+
+
+def test_sdpa_saves_a_tokens_by_tokens_matrix_only_in_its_math_fallback() -> None:
+    # lesson 13: the fused CPU kernel saves the output and one log-sum-exp per row; the math fallback the
+    # probabilities, tokens x tokens per head
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tokens = 16
+    q, k, v = (torch.randn(1, 2, tokens, 8, requires_grad=True) for _ in range(3))
+
+    def saved_shapes() -> list[tuple[int, ...]]:
+        shapes: list[tuple[int, ...]] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            nn.functional.scaled_dot_product_attention(q, k, v)
+        return shapes
+
+    fused = saved_shapes()
+    with sdpa_kernel(SDPBackend.MATH):
+        math = saved_shapes()
+    assert (1, 2, tokens) in fused and not [s for s in fused if s[-2:] == (tokens, tokens)], fused
+    assert [s for s in math if s[-2:] == (tokens, tokens)], math
+
+
+def test_multihead_attention_keeps_one_in_proj_weight_only_for_one_embedding_size() -> None:
+    # lesson 15: q, k and v in one bare parameter when they share the embedding size; three with kdim/vdim
+    assert "in_proj_weight" in dict(nn.MultiheadAttention(8, 2).named_parameters())
+    names = dict(nn.MultiheadAttention(8, 2, kdim=4, vdim=4).named_parameters())
+    assert "in_proj_weight" not in names and {"q_proj_weight", "k_proj_weight", "v_proj_weight"} <= set(names)

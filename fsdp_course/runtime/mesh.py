@@ -1,8 +1,8 @@
 """A 2-D mesh of ranks for HSDP (hybrid sharded data parallel): shard inside a group, replicate across groups.
 
 `ctx.mesh(replicate=R, shard=S)` (context.py) lays the world's N = R x S ranks out as PyTorch's
-`init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))` does
-(torch/distributed/device_mesh.py: the mesh is `arange(N).view(R, S)`): rank = r * S + s, so
+`init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))` does (its mesh holds the ranks
+0 .. N-1 in row-major order, as `arange(N).view(R, S)`; tests/test_hsdp.py compares them): rank = r * S + s, so
 
   - the *shard group* of a rank is its row, ranks r*S .. r*S + S-1: within it FSDP all-gathers the
     parameters and reduce-scatters the gradients ("intra-group" traffic: on a real cluster, one node's
@@ -19,7 +19,7 @@ in a simulated world, its own referee (monitor.py's `child`).
 Per rank and step, under the ring model (ledger.py), with Psi the bytes of the (padded) flat parameters:
   intra-group  3 Psi (S-1)/S           two all-gathers and one reduce-scatter among S ranks
   inter-group  2 (Psi/S) (R-1)/R       one all-reduce of the reduced shard (Psi/S bytes) among R ranks
-(`hsdp_traffic_formula`). FSDP over all N ranks moves 3 Psi (N-1)/N, all of it across the slow links once the
+(`hsdp_traffic_formula`). FSDP over all N ranks moves 3 Psi (N-1)/N, on rings that cross the slow links once the
 world spans several nodes.
 """
 
