@@ -32,6 +32,9 @@ by wrapping `torch.distributed`'s functions (`issued`), the order of the backwar
   gathered once per step, then an AVG all-reduce of each reduced shard in the replicate group (`foreach_reduce`,
   torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py); `set_requires_all_reduce(False)` keeps the
   reduce-scatters of a microbatch and defers the all-reduce to the last one.
+- Loss scaling under `fully_shard` (lesson 12): an inf in one rank's shard makes torch's `ShardedGradScaler` (one
+  all-reduce of the flag, op SUM) and the plain `GradScaler` (none: DTensor reduces the flag of its own check,
+  `found_inf_reduce_handler` in torch/distributed/tensor/_dispatch.py) skip the step on every rank.
 - Attention (lessons 13, 15): `scaled_dot_product_attention`'s fused CPU kernel saves no tokens x tokens matrix for
   the backward, its math fallback does; `nn.MultiheadAttention` has one `in_proj_weight` only when queries, keys
   and values share one embedding size.
@@ -178,7 +181,9 @@ def issued(events: list[Any]) -> Iterator[None]:
         signature = inspect.signature(fn)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs).arguments
+            call_args = signature.bind(*args, **kwargs)
+            call_args.apply_defaults()  # the reduce op a caller left to its default, too
+            bound = call_args.arguments
             group = bound.get("group") or dist.group.WORLD
             events.append([op, dist.get_process_group_ranks(group), bound[full].numel(), str(bound.get("op"))])
             return fn(*args, **kwargs)
@@ -259,6 +264,35 @@ def claim_unit_without_input_gradients(rank: int) -> dict[str, Any]:
     return out
 
 
+def claim_scalers_under_fully_shard(rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    mesh = init_device_mesh("cpu", (2,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    out: dict[str, Any] = {}
+    for name, make in (("GradScaler", lambda: torch.amp.GradScaler("cpu")),
+                       ("ShardedGradScaler", lambda: ShardedGradScaler("cpu"))):
+        model = seeded_mlp(0)
+        fully_shard(model[0], mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = make()
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+        scaler.scale(model(x).float().square().mean()).backward()
+        if rank == 1:  # an overflow in rank 1's shard only
+            model[0].weight.grad.to_local()[0, 0] = float("inf")
+        before = [p.to_local().clone() for p in model.parameters()]
+        with issued(events := []):
+            scaler.step(opt)
+        scaler.update()
+        out[name] = {"stepped": any(not torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters(),
+                                                                                     strict=True)),
+                     "scale": scaler.get_scale(), "all_reduces": [e[3] for e in events if e[0] == "all_reduce"]}
+    return out
+
+
 def claim_hsdp_collectives(rank: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -302,7 +336,8 @@ def phase_hsdp(out: Path) -> None:  # in each process of the "four" launch (test
 
 CLAIMS = {"fully_shard_init": claim_fully_shard_init, "ddp_buckets": claim_ddp_buckets,
           "optimizer_before_fully_shard": claim_optimizer_before_fully_shard,
-          "unit_without_input_gradients": claim_unit_without_input_gradients}
+          "unit_without_input_gradients": claim_unit_without_input_gradients,
+          "scalers_under_fully_shard": claim_scalers_under_fully_shard}
 
 
 def phase(out: Path) -> None:  # in each process of the "pair" launch (tests/phases.py), the world joined
@@ -479,3 +514,14 @@ def test_multihead_attention_keeps_one_in_proj_weight_only_for_one_embedding_siz
     assert "in_proj_weight" in dict(nn.MultiheadAttention(8, 2).named_parameters())
     names = dict(nn.MultiheadAttention(8, 2, kdim=4, vdim=4).named_parameters())
     assert "in_proj_weight" not in names and {"q_proj_weight", "k_proj_weight", "v_proj_weight"} <= set(names)
+
+
+def test_one_ranks_inf_makes_both_scalers_skip_on_every_rank_under_fully_shard(reports: list[dict[str, Any]]) -> None:
+    # lesson 12: an inf in one rank's shard of a DTensor gradient; torch's ShardedGradScaler all-reduces its
+    # found-inf flag (op SUM, one call), the plain GradScaler issues none and still skips everywhere, because
+    # DTensor reduces the flag of its own check over the mesh (found_inf_reduce_handler)
+    for out in (r["scalers_under_fully_shard"] for r in reports):
+        for name in ("GradScaler", "ShardedGradScaler"):
+            assert not out[name]["stepped"] and out[name]["scale"] == 2.0**15, (name, out[name])
+        assert out["ShardedGradScaler"]["all_reduces"] == ["RedOpType.SUM"], out["ShardedGradScaler"]
+        assert out["GradScaler"]["all_reduces"] == [], out["GradScaler"]

@@ -1,10 +1,11 @@
 """Loss scaling for fp16 over sharded gradients: `ShardedGradScaler`, whose found-inf check is global.
 
-fp16 has 5 exponent bits: its smallest subnormal is 2**-24, and gradients below 2**-25 round to zero. Loss scaling (Micikevicius et al., "Mixed Precision
-Training", arXiv:1710.03740, section 3.2) multiplies the loss by S before backward, so the gradients are S times
-larger while in fp16, and divides them by S (in fp32, on the shard) before the step; when S was too large some
-gradient is inf or NaN: the step is skipped and S halves; after `growth_interval` clean steps S doubles. This is
-torch.amp.GradScaler's algorithm (torch/amp/grad_scaler.py), with the same defaults.
+fp16 has 5 exponent bits: its smallest subnormal is 2**-24, and gradients below 2**-25 round to zero. Loss scaling
+(Micikevicius et al., "Mixed Precision Training", arXiv:1710.03740, section 3.2) multiplies the loss by S before
+backward, so the gradients are S times larger while in fp16, and divides them by S (in fp32, on the shard) before
+the step; when S was too large some gradient is inf or NaN: the step is skipped and S halves; after
+`growth_interval` clean steps S doubles. This is torch.amp.GradScaler's algorithm (torch/amp/grad_scaler.py), with
+the same defaults.
 
 What sharding changes (torch/distributed/fsdp/sharded_grad_scaler.py, `ShardedGradScaler`): each rank holds only its
 shard of each gradient, so an inf may sit on one rank alone. Every rank must take the same decision, or one rank
