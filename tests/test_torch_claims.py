@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -163,39 +162,18 @@ def claim_optimizer_before_fully_shard(rank: int) -> dict[str, Any]:
     return out
 
 
-# (op, the argument holding the full tensor): the collectives fully_shard issues, by their torch.distributed names
-ISSUED = {"all_gather_single": ("all_gather", "output_tensor"), "reduce_scatter_single": ("reduce_scatter", "input"),
-          "all_reduce": ("all_reduce", "tensor")}
-
-
-@contextlib.contextmanager
-def issued(events: list[Any]) -> Iterator[None]:
-    """While active, each of ISSUED's collectives is appended to `events` as [op, its group's ranks, the numel of
-    the full tensor, the reduce op], before it runs."""
+def issued(events: list[Any]) -> contextlib.AbstractContextManager[None]:
+    """While active, each collective torch.distributed runs is appended to `events` as [op, its group's ranks, the
+    numel of the full tensor, the reduce op]."""
     import torch.distributed as dist
 
-    originals = {name: getattr(dist, name) for name in ISSUED}
+    from fsdp_course.engines.torch_fsdp import watch_collectives
 
-    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        op, full = ISSUED[name]
-        signature = inspect.signature(fn)
+    def seen(op: str, full: torch.Tensor, arguments: dict[str, Any]) -> None:
+        group = arguments.get("group") or dist.group.WORLD
+        events.append([op, dist.get_process_group_ranks(group), full.numel(), str(arguments.get("op"))])
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            call_args = signature.bind(*args, **kwargs)
-            call_args.apply_defaults()  # the reduce op a caller left to its default, too
-            bound = call_args.arguments
-            group = bound.get("group") or dist.group.WORLD
-            events.append([op, dist.get_process_group_ranks(group), bound[full].numel(), str(bound.get("op"))])
-            return fn(*args, **kwargs)
-        return call
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+    return watch_collectives(seen)
 
 
 class Tap(torch.autograd.Function):

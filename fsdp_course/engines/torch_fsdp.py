@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,7 +42,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from fsdp_course.fsdp.meta_init import materialize
 from fsdp_course.runtime.context import RankContext
 
-__all__ = ["count_collectives", "full_state_dict", "shard_with_fully_shard"]
+__all__ = ["count_collectives", "full_state_dict", "shard_with_fully_shard", "watch_collectives"]
 
 
 def shard_with_fully_shard(model: nn.Module, ctx: RankContext, *, seed: int | None = None,
@@ -114,42 +115,46 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # -- the ledger for fully_shard's collectives ------------------------------------------------------
-def _payload(op: str, args: tuple, kwargs: dict) -> torch.Tensor:
-    """The full (unsharded) tensor of a call: all-gather output, reduce-scatter input, else the tensor."""
-    if op == "all_gather":
-        return kwargs.get("output_tensor", args[0] if args else None)
-    if op == "reduce_scatter":
-        return kwargs.get("input", args[1] if len(args) > 1 else None)
-    return kwargs.get("tensor", args[0] if args else None)
-
-
-_COUNTED = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
-            "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-            "all_reduce": "all_reduce", "broadcast": "broadcast"}
+# torch.distributed's name: (the course's op, the argument that holds the full, unsharded tensor)
+_COUNTED = {"all_gather_single": ("all_gather", "output_tensor"),
+            "all_gather_into_tensor": ("all_gather", "output_tensor"),
+            "reduce_scatter_single": ("reduce_scatter", "input"), "reduce_scatter_tensor": ("reduce_scatter", "input"),
+            "all_reduce": ("all_reduce", "tensor"), "broadcast": ("broadcast", "tensor")}
 
 
 @contextlib.contextmanager
-def count_collectives(ctx: RankContext) -> Iterator[None]:
-    """While active, every torch.distributed collective above is also recorded in `ctx.ledger`."""
+def watch_collectives(seen: Callable[[str, torch.Tensor, dict[str, Any]], None]) -> Iterator[None]:
+    """While active, every torch.distributed collective above calls `seen(op, full_tensor, arguments)` once it has
+    run: the course's name of the op, the full tensor, and all its arguments by name (defaults included)."""
     originals: dict[str, Callable[..., Any]] = {name: getattr(dist, name) for name in _COUNTED
                                                 if hasattr(dist, name)}
 
-    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        op = _COUNTED[name]
+    def watched(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        op, full = _COUNTED[name]
+        signature = inspect.signature(fn)
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             result = fn(*args, **kwargs)
-            t = _payload(op, args, kwargs)
-            sig = ctx.begin_collective(op, [t])
-            ctx.end_collective(sig, t.numel() * t.element_size(), kwargs.get("src", 0))
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            seen(op, bound.arguments[full], bound.arguments)
             return result
         return call
 
     for name, fn in originals.items():
-        setattr(dist, name, counted(name, fn))
+        setattr(dist, name, watched(name, fn))
     try:
         yield
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+
+
+def count_collectives(ctx: RankContext) -> contextlib.AbstractContextManager[None]:
+    """While active, every torch.distributed collective above is also recorded in `ctx.ledger`."""
+    def record(op: str, t: torch.Tensor, arguments: dict[str, Any]) -> None:
+        sig = ctx.begin_collective(op, [t])
+        ctx.end_collective(sig, t.numel() * t.element_size(), arguments.get("src") or 0)
+
+    return watch_collectives(record)
