@@ -35,6 +35,10 @@ by wrapping `torch.distributed`'s functions (`issued`), the order of the backwar
 - Loss scaling under `fully_shard` (lesson 12): an inf in one rank's shard makes torch's `ShardedGradScaler` (one
   all-reduce of the flag, op SUM) and the plain `GradScaler` (none: DTensor reduces the flag of its own check,
   `found_inf_reduce_handler` in torch/distributed/tensor/_dispatch.py) skip the step on every rank.
+- Frozen and trainable parameters in one `fully_shard` group (lesson 15): their dtypes must agree among the
+  trainable ones only; a frozen bf16 weight beside trainable fp32 ones trains, two trainable dtypes are refused.
+- `CPUOffloadPolicy` (lesson 16) pins the host shards by default, and pinning needs an accelerator: on a CPU-only
+  machine `fully_shard` raises while sharding; unpinned it runs, and its all-gather reads the host shard itself.
 - Attention (lessons 13, 15): `scaled_dot_product_attention`'s fused CPU kernel saves no tokens x tokens matrix for
   the backward, its math fallback does; `nn.MultiheadAttention` has one `in_proj_weight` only when queries, keys
   and values share one embedding size.
@@ -271,6 +275,55 @@ def claim_scalers_under_fully_shard(rank: int) -> dict[str, Any]:
     return out
 
 
+class MixedDtypes(nn.Module):  # one fp32 and one bf16 weight in one unit
+    def __init__(self, bf16_trains: bool) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(4, 8))
+        self.b = nn.Parameter(torch.randn(4, 8, dtype=torch.bfloat16), requires_grad=bf16_trains)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.a.T + (x.bfloat16() @ self.b.T).float()
+
+
+def claim_dtype_among_trainable_only(rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    out: dict[str, Any] = {}
+    for bf16_trains in (False, True):
+        torch.manual_seed(0)
+        model = fully_shard(MixedDtypes(bf16_trains), mesh=mesh)
+        try:
+            model(torch.randn(2, 8)).square().mean().backward()
+            out[str(bf16_trains)] = {"raised": None, "grads": [p.grad is not None for p in (model.a, model.b)]}
+        except Exception as exc:  # noqa: BLE001  (the type is the claim)
+            out[str(bf16_trains)] = {"raised": type(exc).__name__}
+    return out
+
+
+def claim_cpu_offload_policy(rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    out: dict[str, Any] = {"accelerator": torch.accelerator.is_available(),
+                           "pins_by_default": CPUOffloadPolicy().pin_memory}
+    try:
+        fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), mesh=mesh, offload_policy=CPUOffloadPolicy())
+        out["default"] = "ran"
+    except RuntimeError as exc:
+        out["default"] = type(exc).__name__
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    model(torch.randn(2, 4)).sum().backward()
+    fsdp_param = model._get_fsdp_state()._fsdp_param_group.fsdp_params[0]  # private: only to see the storages
+    out["all_gather_input_is_the_shard"] = (fsdp_param.all_gather_inputs[0].untyped_storage().data_ptr()
+                                            == fsdp_param._sharded_param_data.untyped_storage().data_ptr())
+    out["devices"] = sorted({f"{p.device.type}/{p.grad.device.type}" for p in model.parameters()})
+    return out
+
+
 def claim_hsdp_collectives(rank: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -315,7 +368,9 @@ def phase_hsdp(out: Path) -> None:  # in each process of the "four" launch (test
 CLAIMS = {"fully_shard_init": claim_fully_shard_init, "ddp_buckets": claim_ddp_buckets,
           "optimizer_before_fully_shard": claim_optimizer_before_fully_shard,
           "unit_without_input_gradients": claim_unit_without_input_gradients,
-          "scalers_under_fully_shard": claim_scalers_under_fully_shard}
+          "scalers_under_fully_shard": claim_scalers_under_fully_shard,
+          "dtype_among_trainable_only": claim_dtype_among_trainable_only,
+          "cpu_offload_policy": claim_cpu_offload_policy}
 
 
 def phase(out: Path) -> None:  # in each process of the "pair" launch (tests/phases.py), the world joined
@@ -503,3 +558,20 @@ def test_one_ranks_inf_makes_both_scalers_skip_on_every_rank_under_fully_shard(r
             assert not out[name]["stepped"] and out[name]["scale"] == 2.0**15, (name, out[name])
         assert out["ShardedGradScaler"]["all_reduces"] == ["RedOpType.SUM"], out["ShardedGradScaler"]
         assert out["GradScaler"]["all_reduces"] == [], out["GradScaler"]
+
+
+def test_fully_shard_checks_the_dtype_among_trainable_parameters_only(reports: list[dict[str, Any]]) -> None:
+    # lesson 15: one group may hold a frozen bf16 weight beside trainable fp32 ones; two trainable dtypes are refused
+    # at the first forward (FSDPParamGroup._init_mp_dtypes)
+    for out in (r["dtype_among_trainable_only"] for r in reports):
+        assert out["False"] == {"raised": None, "grads": [True, False]}, out["False"]
+        assert out["True"] == {"raised": "AssertionError"}, out["True"]
+
+
+def test_cpu_offload_policy_pins_by_default_and_pinning_needs_an_accelerator(reports: list[dict[str, Any]]) -> None:
+    # lesson 16: CPUOffloadPolicy() pins the host shards, which fails while sharding on a machine without an
+    # accelerator; with pin_memory=False it runs, and on a CPU "device" the all-gather reads the host shard itself
+    for out in (r["cpu_offload_policy"] for r in reports):
+        assert out["pins_by_default"] is True
+        assert out["default"] == ("ran" if out["accelerator"] else "RuntimeError"), out
+        assert out["devices"] == ["cpu/cpu"] and out["all_gather_input_is_the_shard"], out
