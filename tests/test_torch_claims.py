@@ -39,6 +39,10 @@ by wrapping `torch.distributed`'s functions (`issued`), the order of the backwar
   trainable ones only; a frozen bf16 weight beside trainable fp32 ones trains, two trainable dtypes are refused.
 - `CPUOffloadPolicy` (lesson 16) pins the host shards by default, and pinning needs an accelerator: on a CPU-only
   machine `fully_shard` raises while sharding; unpinned it runs, and its all-gather reads the host shard itself.
+- Prefetch and recomputation (lesson 13): by default `fully_shard` prefetches the next unit's all-gather in the
+  backward and in the forward only when told (`set_modules_to_forward_prefetch`); every unshard passes
+  `async_op=False` unless `_set_unshard_async_op(True)`; a checkpoint around several units recomputes them with no
+  extra all-gather; `checkpoint` replays dropout's masks.
 - Attention (lessons 13, 15): `scaled_dot_product_attention`'s fused CPU kernel saves no tokens x tokens matrix for
   the backward, its math fallback does; `nn.MultiheadAttention` has one `in_proj_weight` only when queries, keys
   and values share one embedding size.
@@ -324,6 +328,87 @@ def claim_cpu_offload_policy(rank: int) -> dict[str, Any]:
     return out
 
 
+class Chain(nn.Module):  # three units of distinct sizes, a forward hook and a weight Tap on each
+    def __init__(self, events: list[Any]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Tapped(n_in, n_out, events, str(i))
+                                    for i, (n_in, n_out) in enumerate(((8, 8), (8, 6), (6, 4))))
+        for i, layer in enumerate(self.layers):
+            layer.register_forward_hook(lambda *_, i=i: events.append(["forward", str(i)]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def claim_prefetch(rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    out: dict[str, Any] = {}
+    for mode in ("default", "explicit forward", "async"):
+        events: list[Any] = []
+        torch.manual_seed(0)
+        model = Chain(events)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if mode == "explicit forward":
+            model.layers[0].set_modules_to_forward_prefetch([model.layers[1]])
+        if mode == "async":
+            model._set_unshard_async_op(True)
+
+        def seen(op: str, full: torch.Tensor, arguments: dict[str, Any], events: list[Any] = events) -> None:
+            if op == "all_gather":  # which unit, by its size, and whether the call returned before the data came
+                events.append(["all_gather", {72: "0", 54: "1", 28: "2"}[full.numel()], arguments["async_op"]])
+
+        from fsdp_course.engines.torch_fsdp import watch_collectives
+        with watch_collectives(seen):
+            loss = model(torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))).square().mean()
+            events.append(["backward"])
+            loss.backward()
+        out[mode] = events
+    return out
+
+
+class Checkpointed(nn.Module):  # three Linear units inside one activation checkpoint, or not
+    def __init__(self, checkpoint: bool) -> None:
+        super().__init__()
+        self.layers, self.checkpoint = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 6), nn.Linear(6, 4)), checkpoint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint:
+            return torch.utils.checkpoint.checkpoint(self.layers, x, use_reentrant=False)
+        return self.layers(x)
+
+
+def claim_checkpoint_around_units(rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    out: dict[str, Any] = {}
+    grads: dict[bool, list[torch.Tensor]] = {}
+    for checkpoint in (False, True):
+        torch.manual_seed(0)
+        model = Checkpointed(checkpoint)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        runs = []
+        for layer in model.layers:
+            layer.register_forward_hook(lambda *_, runs=runs: runs.append(1))
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))
+        with issued(events := []):
+            model(x).square().mean().backward()
+        out[str(checkpoint)] = {"gathers": sum(1 for e in events if e[0] == "all_gather"), "forwards": len(runs)}
+        grads[checkpoint] = [p.grad.full_tensor() for p in model.parameters()]
+    out["same_gradients"] = all(torch.equal(a, b) for a, b in zip(grads[False], grads[True], strict=True))
+    return out
+
+
 def claim_hsdp_collectives(rank: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -370,7 +455,8 @@ CLAIMS = {"fully_shard_init": claim_fully_shard_init, "ddp_buckets": claim_ddp_b
           "unit_without_input_gradients": claim_unit_without_input_gradients,
           "scalers_under_fully_shard": claim_scalers_under_fully_shard,
           "dtype_among_trainable_only": claim_dtype_among_trainable_only,
-          "cpu_offload_policy": claim_cpu_offload_policy}
+          "cpu_offload_policy": claim_cpu_offload_policy, "prefetch": claim_prefetch,
+          "checkpoint_around_units": claim_checkpoint_around_units}
 
 
 def phase(out: Path) -> None:  # in each process of the "pair" launch (tests/phases.py), the world joined
@@ -575,3 +661,48 @@ def test_cpu_offload_policy_pins_by_default_and_pinning_needs_an_accelerator(rep
         assert out["pins_by_default"] is True
         assert out["default"] == ("ran" if out["accelerator"] else "RuntimeError"), out
         assert out["devices"] == ["cpu/cpu"] and out["all_gather_input_is_the_shard"], out
+
+
+def test_fully_shard_prefetches_the_backward_by_default_and_the_forward_only_when_told(
+        reports: list[dict[str, Any]]) -> None:
+    # lesson 13: three units; all-gathers named by unit, against each unit's forward and weight-gradient events
+    for out in (r["prefetch"] for r in reports):
+        default, explicit, issued_async = out["default"], out["explicit forward"], out["async"]
+
+        def at(events: list[Any], *event: str) -> int:
+            return next(i for i, e in enumerate(events) if e[:len(event)] == list(event))
+
+        back = at(default, "backward")
+        assert at(default, "forward", "0") < at(default, "all_gather", "1"), "forward: no prefetch by default"
+        assert at(explicit, "all_gather", "1") < at(explicit, "forward", "0"), \
+            "set_modules_to_forward_prefetch: unit 1 gathered before unit 0's forward ends"
+        after = default[back:]
+        assert at(after, "all_gather", "1") < at(after, "computed", "2"), \
+            "backward: unit 1's all-gather issued while unit 2's backward still runs (default prefetch)"
+        assert {e[2] for e in default if e[0] == "all_gather"} == {False}, "unshard_async_op defaults to False"
+        assert {e[2] for e in issued_async if e[0] == "all_gather"} == {True}, "_set_unshard_async_op(True)"
+
+
+def test_a_checkpoint_around_several_units_recomputes_without_another_all_gather(
+        reports: list[dict[str, Any]]) -> None:
+    # lesson 13: the recomputation inside the backward finds the units its pre-backward gathered
+    for out in (r["checkpoint_around_units"] for r in reports):
+        assert out["False"] == {"gathers": 6, "forwards": 3}, out["False"]
+        assert out["True"]["gathers"] == 6 and out["True"]["forwards"] > 3, out["True"]
+        assert out["same_gradients"], "the same gradients, bit for bit"
+
+
+def test_checkpoint_replays_the_random_masks_of_its_forward() -> None:
+    # lesson 13: preserve_rng_state=True (the default) saves and restores the RNG, so dropout's recomputed masks
+    # are the forward's and the gradient is that of the run without checkpointing
+    layer = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4))
+    x = torch.randn(4, 8)
+
+    def grads(checkpoint: bool) -> list[torch.Tensor]:
+        layer.zero_grad()
+        torch.manual_seed(7)
+        out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if checkpoint else layer(x)
+        out.square().sum().backward()
+        return [p.grad.clone() for p in layer.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(grads(False), grads(True), strict=True))
