@@ -409,6 +409,34 @@ def claim_checkpoint_around_units(rank: int) -> dict[str, Any]:
     return out
 
 
+def claim_accumulation_switches(rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    out: dict[str, Any] = {}
+    for switch in ("no sync", "keep gathered after backward"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))
+        if switch == "no sync":
+            model.set_requires_gradient_sync(False)
+        else:
+            model.set_reshard_after_backward(False)
+        counts = []
+        for micro in range(2):
+            if switch == "no sync" and micro == 1:
+                model.set_requires_gradient_sync(True)
+            with issued(events := []):
+                model(x).square().mean().backward()
+            counts.append({op: sum(1 for e in events if e[0] == op) for op in ("all_gather", "reduce_scatter")})
+        out[switch] = counts
+    return out
+
+
 def claim_hsdp_collectives(rank: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -456,7 +484,8 @@ CLAIMS = {"fully_shard_init": claim_fully_shard_init, "ddp_buckets": claim_ddp_b
           "scalers_under_fully_shard": claim_scalers_under_fully_shard,
           "dtype_among_trainable_only": claim_dtype_among_trainable_only,
           "cpu_offload_policy": claim_cpu_offload_policy, "prefetch": claim_prefetch,
-          "checkpoint_around_units": claim_checkpoint_around_units}
+          "checkpoint_around_units": claim_checkpoint_around_units,
+          "accumulation_switches": claim_accumulation_switches}
 
 
 def phase(out: Path) -> None:  # in each process of the "pair" launch (tests/phases.py), the world joined
@@ -706,3 +735,14 @@ def test_checkpoint_replays_the_random_masks_of_its_forward() -> None:
         return [p.grad.clone() for p in layer.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(grads(False), grads(True), strict=True))
+
+
+def test_fully_shards_accumulation_switches_skip_the_reduce_scatter_or_the_next_all_gathers(
+        reports: list[dict[str, Any]]) -> None:
+    # lesson 13: two Linear units, two micro-batches
+    for out in (r["accumulation_switches"] for r in reports):
+        no_sync, kept = out["no sync"], out["keep gathered after backward"]
+        assert no_sync == [{"all_gather": 4, "reduce_scatter": 0}, {"all_gather": 4, "reduce_scatter": 2}], no_sync
+        assert kept[0] == {"all_gather": 4, "reduce_scatter": 2}, kept
+        assert kept[1] == {"all_gather": 2, "reduce_scatter": 2}, "set_reshard_after_backward(False): no re-gather " \
+            f"before the next forward, only the backward's: {kept}"
