@@ -103,7 +103,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # xdist hands out one file at a time, in this order, to whichever worker runs short. The longest files go first
 # (seconds in a full run on 2 cores), so that the run does not end with one worker finishing lesson 11 while the other
 # is idle; the files that read the torchrun launches come after them, when the launches have ended (tests/phases.py).
-# xdist would otherwise sort the files by their number of tests, which put the longest ones last. Lesson 17 stays
+# xdist would otherwise sort the files by their number of tests, which put the longest ones last. Lesson 19 stays
 # late: its three-process DCP job aborts now and then (1 run in ~10 on a loaded machine) in a rank's interpreter
 # shutdown, after destroy_process_group ("terminate called without an active exception").
 FIRST = ("tests/test_grading.py",                     # 91 s, most of it waiting for graded notebooks
@@ -112,9 +112,9 @@ FIRST = ("tests/test_grading.py",                     # 91 s, most of it waiting
          "lessons/08_transformer.ipynb",              # 61 s: six trainings
          "lessons/10_distributed_pitfalls.ipynb",     # 43 s
          "tests/test_exercises.py",                   # 40 s: every exercise, unsolved, in one kernel
-         "lessons/15_finetune.ipynb",                 # 36 s
+         "lessons/17_finetune.ipynb",                 # 36 s
          "tests/test_grading_nbgrader.py",            # 34 s: nbgrader's own course
-         "lessons/14_hsdp.ipynb", "lessons/12_mixed_precision.ipynb")  # 32 s, 28 s
+         "lessons/16_hsdp.ipynb", "lessons/12_mixed_precision.ipynb")  # 32 s, 28 s
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,4 +1,4 @@
-"""The checkers of exercise 16 (memory-budget puzzles) pass the reference solution and fail planted mistakes with the
+"""The checkers of exercise 18 (memory-budget puzzles) pass the reference solution and fail planted mistakes with the
 diagnosis that names them: each planted function is the reference with one thing wrong, as a learner would get it."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fsdp_course.classroom.checks import (
 )
 from fsdp_course.classroom.checks.budget import RUN_CAPACITY, run_with_budget
 
-BUDGET = load("16_budget")
+BUDGET = load("18_offload")
 REF = BUDGET["device_peak"]
 
 

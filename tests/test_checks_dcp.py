@@ -1,4 +1,4 @@
-"""The checker of exercise 17 (a unit's flat parameter cut into Shard(0) rows) passes the reference solution and fails
+"""The checker of exercise 19 (a unit's flat parameter cut into Shard(0) rows) passes the reference solution and fails
 planted mistakes with the diagnosis that names them: each planted function is the reference with one thing wrong, as
 a learner would get it."""
 
@@ -13,7 +13,7 @@ from reference_solutions import fails, load, passes
 from fsdp_course.classroom.checks import check_dim0_chunks
 from fsdp_course.fsdp import dcp
 
-CHECKPOINTS = load("17_checkpoints")
+CHECKPOINTS = load("19_checkpoints")
 
 
 def rows(d0: int, n: int, rank: int, per_rank: int) -> slice:

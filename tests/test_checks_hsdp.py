@@ -1,4 +1,4 @@
-"""The checker of exercise 14 (HSDP's gradient path) passes the reference solution and fails planted mistakes with the
+"""The checker of exercise 16 (HSDP's gradient path) passes the reference solution and fails planted mistakes with the
 diagnosis that names them: each planted function is the reference with one thing wrong, as a learner would get it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from reference_solutions import fails, load, passes
 
 from fsdp_course.classroom.checks import check_hsdp_grad
 
-HSDP = load("14_hsdp")
+HSDP = load("16_hsdp")
 
 
 def all_reduce_sums(mesh, grad):

@@ -1,4 +1,4 @@
-"""The checker of exercise 15 (a LoRA layer) passes the reference solution and fails planted mistakes with the
+"""The checker of exercise 17 (a LoRA layer) passes the reference solution and fails planted mistakes with the
 diagnosis that names them: each planted class is the reference with one thing wrong, as a learner would get it."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from fsdp_course.classroom.checks import check_lora_linear
 from fsdp_course.classroom.checks.lora import _under_fsdp
 from fsdp_course.lora import LoRALinear as LibraryLoRALinear
 
-FINETUNE = load("15_finetune")
+FINETUNE = load("17_finetune")
 
 
 class Reference(nn.Module):

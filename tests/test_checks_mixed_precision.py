@@ -1,4 +1,4 @@
-"""The checkers of exercise 12 (fp16 loss scaling over shards) pass the reference solutions and fail planted mistakes
+"""The checkers of exercise 13 (fp16 loss scaling over shards) pass the reference solutions and fail planted mistakes
 with the right hint; the reference found-inf check keeps the ranks together in a real fp16 FSDP step.
 
 Each planted mistake is the reference with one thing wrong, the way a learner would get it wrong: a decision each
@@ -19,15 +19,15 @@ from reference_solutions import ROOT, fails, load
 from fsdp_course import RankContext
 from fsdp_course.classroom.checks import check_found_inf, check_update_scale
 
-MP = load("12_mixed_precision")
+MP = load("13_loss_scaling")
 
 
 def demonstration() -> dict:
     """The namespace of the notebook's first demonstration cell (fp16_step, decide_alone), run after the reference."""
-    nb = nbformat.read(ROOT / "solutions" / "12_mixed_precision.ipynb", as_version=4)
+    nb = nbformat.read(ROOT / "solutions" / "13_loss_scaling.ipynb", as_version=4)
     namespace = dict(MP)
     cell = next(c for c in nb.cells if c.cell_type == "code" and "def fp16_step(" in c.source)
-    exec(compile(cell.source, "<solution 12_mixed_precision demonstration>", "exec"), namespace)  # noqa: S102
+    exec(compile(cell.source, "<solution 13_loss_scaling demonstration>", "exec"), namespace)  # noqa: S102
     return namespace
 
 

@@ -1,4 +1,4 @@
-"""The checker of exercise 13 (forward prefetching) passes the reference solution and fails planted mistakes with the
+"""The checker of exercise 14 (forward prefetching) passes the reference solution and fails planted mistakes with the
 diagnosis that names them: each planted function is the reference with one thing wrong, as a learner would get it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from fsdp_course import RankContext
 from fsdp_course.classroom.checks import check_forward_prefetch
 from fsdp_course.classroom.checks.overlap import order_report, run_forward
 
-OVERLAP = load("13_overlap")
+OVERLAP = load("14_overlap")
 
 
 def serial(ctx: RankContext, shards: list[torch.Tensor], compute, x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from nbgrader.api import Gradebook  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSIGNMENT = "ps1"
-NOTEBOOKS = ("03_memory", "14_hsdp")  # two short exercises (a few seconds each), one with a hidden-free checker
+NOTEBOOKS = ("03_memory", "16_hsdp")  # two short exercises (a few seconds each), one with a hidden-free checker
 STUB_LEFT = "03_memory"  # the exercise `partial` leaves at its stub
 
 

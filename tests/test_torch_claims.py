@@ -28,22 +28,22 @@ by wrapping `torch.distributed`'s functions (`issued`), the order of the backwar
 - A unit whose forward inputs need no gradient (token ids, data) gets no post-backward hook (lesson 11): FSDP2
   attaches it to those inputs (`FSDPParamGroup._register_post_backward_hook`), so its reduce-scatter waits for the
   root's final callback, after the whole backward; `set_unshard_in_backward(False)` spares an embedding's re-gather.
-- `fully_shard` on a 2-D mesh (lesson 14): all-gathers and AVG reduce-scatters in the shard group, the root
+- `fully_shard` on a 2-D mesh (lesson 16): all-gathers and AVG reduce-scatters in the shard group, the root
   gathered once per step, then an AVG all-reduce of each reduced shard in the replicate group (`foreach_reduce`,
   torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py); `set_requires_all_reduce(False)` keeps the
   reduce-scatters of a microbatch and defers the all-reduce to the last one.
-- Loss scaling under `fully_shard` (lesson 12): an inf in one rank's shard makes torch's `ShardedGradScaler` (one
+- Loss scaling under `fully_shard` (lesson 13): an inf in one rank's shard makes torch's `ShardedGradScaler` (one
   all-reduce of the flag, op SUM) and the plain `GradScaler` (none: DTensor reduces the flag of its own check,
   `found_inf_reduce_handler` in torch/distributed/tensor/_dispatch.py) skip the step on every rank.
-- Frozen and trainable parameters in one `fully_shard` group (lesson 15): their dtypes must agree among the
+- Frozen and trainable parameters in one `fully_shard` group (lesson 17): their dtypes must agree among the
   trainable ones only; a frozen bf16 weight beside trainable fp32 ones trains, two trainable dtypes are refused.
-- `CPUOffloadPolicy` (lesson 16) pins the host shards by default, and pinning needs an accelerator: on a CPU-only
+- `CPUOffloadPolicy` (lesson 18) pins the host shards by default, and pinning needs an accelerator: on a CPU-only
   machine `fully_shard` raises while sharding; unpinned it runs, and its all-gather reads the host shard itself.
-- Prefetch and recomputation (lesson 13): by default `fully_shard` prefetches the next unit's all-gather in the
+- Prefetch and recomputation (lessons 14 and 15): by default `fully_shard` prefetches the next unit's all-gather in the
   backward and in the forward only when told (`set_modules_to_forward_prefetch`); every unshard passes
   `async_op=False` unless `_set_unshard_async_op(True)`; a checkpoint around several units recomputes them with no
   extra all-gather; `checkpoint` replays dropout's masks.
-- Attention (lessons 13, 15): `scaled_dot_product_attention`'s fused CPU kernel saves no tokens x tokens matrix for
+- Attention (lessons 15, 17): `scaled_dot_product_attention`'s fused CPU kernel saves no tokens x tokens matrix for
   the backward, its math fallback does; `nn.MultiheadAttention` has one `in_proj_weight` only when queries, keys
   and values share one embedding size.
 - The article's `AutoWrapPolicy.TRANSFORMER_BASED` names nothing in torch's FSDP (lesson 10, pitfall 5.3): its
@@ -609,7 +609,7 @@ def hsdp_reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any
 
 def test_fully_shard_on_a_2d_mesh_gathers_in_rows_and_all_reduces_the_shard_in_columns(
         hsdp_reports: list[dict[str, Any]]) -> None:
-    # lesson 14: init_device_mesh("cpu", (2, 2)); per step the shard group (a row) all-gathers the unit twice and
+    # lesson 16: init_device_mesh("cpu", (2, 2)); per step the shard group (a row) all-gathers the unit twice and
     # the root once (the root is not resharded after the forward), reduce-scatters each with AVG, and the
     # replicate group (a column) all-reduces each reduced shard with AVG
     for rank, out in enumerate(hsdp_reports):
@@ -627,7 +627,7 @@ def test_fully_shard_on_a_2d_mesh_gathers_in_rows_and_all_reduces_the_shard_in_c
 
 def test_set_requires_all_reduce_false_skips_the_replicate_all_reduce_until_the_last_microbatch(
         hsdp_reports: list[dict[str, Any]]) -> None:
-    # lesson 14: FSDP2's HSDP gradient accumulation, reduce-scatter every microbatch, all-reduce once
+    # lesson 16: FSDP2's HSDP gradient accumulation, reduce-scatter every microbatch, all-reduce once
     for out in hsdp_reports:
         count = {mode: {op: sum(1 for e in out[mode] if e[0] == op) for op in ("reduce_scatter", "all_reduce")}
                  for mode in ("every", "last")}
@@ -637,7 +637,7 @@ def test_set_requires_all_reduce_false_skips_the_replicate_all_reduce_until_the_
 
 
 def test_sdpa_saves_a_tokens_by_tokens_matrix_only_in_its_math_fallback() -> None:
-    # lesson 13: the fused CPU kernel saves the output and one log-sum-exp per row; the math fallback the
+    # lesson 15: the fused CPU kernel saves the output and one log-sum-exp per row; the math fallback the
     # probabilities, tokens x tokens per head
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -658,14 +658,14 @@ def test_sdpa_saves_a_tokens_by_tokens_matrix_only_in_its_math_fallback() -> Non
 
 
 def test_multihead_attention_keeps_one_in_proj_weight_only_for_one_embedding_size() -> None:
-    # lesson 15: q, k and v in one bare parameter when they share the embedding size; three with kdim/vdim
+    # lesson 17: q, k and v in one bare parameter when they share the embedding size; three with kdim/vdim
     assert "in_proj_weight" in dict(nn.MultiheadAttention(8, 2).named_parameters())
     names = dict(nn.MultiheadAttention(8, 2, kdim=4, vdim=4).named_parameters())
     assert "in_proj_weight" not in names and {"q_proj_weight", "k_proj_weight", "v_proj_weight"} <= set(names)
 
 
 def test_one_ranks_inf_makes_both_scalers_skip_on_every_rank_under_fully_shard(reports: list[dict[str, Any]]) -> None:
-    # lesson 12: an inf in one rank's shard of a DTensor gradient; torch's ShardedGradScaler all-reduces its
+    # lesson 13: an inf in one rank's shard of a DTensor gradient; torch's ShardedGradScaler all-reduces its
     # found-inf flag (op SUM, one call), the plain GradScaler issues none and still skips everywhere, because
     # DTensor reduces the flag of its own check over the mesh (found_inf_reduce_handler)
     for out in (r["scalers_under_fully_shard"] for r in reports):
@@ -676,7 +676,7 @@ def test_one_ranks_inf_makes_both_scalers_skip_on_every_rank_under_fully_shard(r
 
 
 def test_fully_shard_checks_the_dtype_among_trainable_parameters_only(reports: list[dict[str, Any]]) -> None:
-    # lesson 15: one group may hold a frozen bf16 weight beside trainable fp32 ones; two trainable dtypes are refused
+    # lesson 17: one group may hold a frozen bf16 weight beside trainable fp32 ones; two trainable dtypes are refused
     # at the first forward (FSDPParamGroup._init_mp_dtypes)
     for out in (r["dtype_among_trainable_only"] for r in reports):
         assert out["False"] == {"raised": None, "grads": [True, False]}, out["False"]
@@ -684,7 +684,7 @@ def test_fully_shard_checks_the_dtype_among_trainable_parameters_only(reports: l
 
 
 def test_cpu_offload_policy_pins_by_default_and_pinning_needs_an_accelerator(reports: list[dict[str, Any]]) -> None:
-    # lesson 16: CPUOffloadPolicy() pins the host shards, which fails while sharding on a machine without an
+    # lesson 18: CPUOffloadPolicy() pins the host shards, which fails while sharding on a machine without an
     # accelerator; with pin_memory=False it runs, and on a CPU "device" the all-gather reads the host shard itself
     for out in (r["cpu_offload_policy"] for r in reports):
         assert out["pins_by_default"] is True
@@ -694,7 +694,7 @@ def test_cpu_offload_policy_pins_by_default_and_pinning_needs_an_accelerator(rep
 
 def test_fully_shard_prefetches_the_backward_by_default_and_the_forward_only_when_told(
         reports: list[dict[str, Any]]) -> None:
-    # lesson 13: three units; all-gathers named by unit, against each unit's forward and weight-gradient events
+    # lesson 14: three units; all-gathers named by unit, against each unit's forward and weight-gradient events
     for out in (r["prefetch"] for r in reports):
         default, explicit, issued_async = out["default"], out["explicit forward"], out["async"]
 
@@ -714,7 +714,7 @@ def test_fully_shard_prefetches_the_backward_by_default_and_the_forward_only_whe
 
 def test_a_checkpoint_around_several_units_recomputes_without_another_all_gather(
         reports: list[dict[str, Any]]) -> None:
-    # lesson 13: the recomputation inside the backward finds the units its pre-backward gathered
+    # lesson 15: the recomputation inside the backward finds the units its pre-backward gathered
     for out in (r["checkpoint_around_units"] for r in reports):
         assert out["False"] == {"gathers": 6, "forwards": 3}, out["False"]
         assert out["True"]["gathers"] == 6 and out["True"]["forwards"] > 3, out["True"]
@@ -722,7 +722,7 @@ def test_a_checkpoint_around_several_units_recomputes_without_another_all_gather
 
 
 def test_checkpoint_replays_the_random_masks_of_its_forward() -> None:
-    # lesson 13: preserve_rng_state=True (the default) saves and restores the RNG, so dropout's recomputed masks
+    # lesson 15: preserve_rng_state=True (the default) saves and restores the RNG, so dropout's recomputed masks
     # are the forward's and the gradient is that of the run without checkpointing
     layer = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4))
     x = torch.randn(4, 8)
@@ -739,7 +739,7 @@ def test_checkpoint_replays_the_random_masks_of_its_forward() -> None:
 
 def test_fully_shards_accumulation_switches_skip_the_reduce_scatter_or_the_next_all_gathers(
         reports: list[dict[str, Any]]) -> None:
-    # lesson 13: two Linear units, two micro-batches
+    # lesson 15: two Linear units, two micro-batches
     for out in (r["accumulation_switches"] for r in reports):
         no_sync, kept = out["no sync"], out["keep gathered after backward"]
         assert no_sync == [{"all_gather": 4, "reduce_scatter": 0}, {"all_gather": 4, "reduce_scatter": 2}], no_sync

@@ -20,7 +20,7 @@ CODE_LINES_PER_MINUTE = 10  # code lines (not blank) read with their output
 
 @dataclass(frozen=True)
 class Lesson:
-    number: str           # "00" ... "17", "A1"
+    number: str           # "00" ... "19", "A1"
     title: str            # the lesson's heading, without its number
     exercise: str | None  # the exercise's heading, or None
     words: int            # of its markdown

@@ -1,4 +1,4 @@
-"""Lesson 17: DCP checkpoints of the course's FSDP and of `fully_shard`, saved at 2 ranks and loaded at 3 and back.
+"""Lesson 19: DCP checkpoints of the course's FSDP and of `fully_shard`, saved at 2 ranks and loaded at 3 and back.
 
 `torchrun --nproc-per-node 2 -m fsdp_course.examples.dcp_demo save CKPT`, then `--nproc-per-node 3 ... load CKPT`:
 rank 0 writes CKPT/save2.json and CKPT/load3.json (what each phase found); the checkpoints stay in CKPT."""

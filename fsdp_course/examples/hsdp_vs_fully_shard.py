@@ -1,4 +1,4 @@
-"""Lesson 14: the course's HSDP and `fully_shard` on a 2-D mesh, trained side by side in 4 processes.
+"""Lesson 16: the course's HSDP and `fully_shard` on a 2-D mesh, trained side by side in 4 processes.
 
 `torchrun --nproc-per-node 4 -m fsdp_course.examples.hsdp_vs_fully_shard REPORTS`: each rank writes
 REPORTS/rank{r}.json (the mesh and groups of both, one parameter's placement, the losses of 4 AdamW steps)."""

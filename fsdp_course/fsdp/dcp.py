@@ -79,7 +79,7 @@ def device_mesh(fsdp: FSDP) -> DeviceMesh:
         raise CheckpointError(
             "DCP checkpoints need real processes: torch.distributed.checkpoint builds a DeviceMesh on a process group "
             "that torch.distributed knows, and the rank threads of run_ranks have private groups. Run this under "
-            "torchrun (lessons/17_checkpoints.ipynb shows how), or inside run_ranks save fsdp.save_sharded(path) or "
+            "torchrun (lessons/19_checkpoints.ipynb shows how), or inside run_ranks save fsdp.save_sharded(path) or "
             "fsdp.full_state_dict()")
     return DeviceMesh.from_group(fsdp.ctx.group, fsdp.ctx.device.type)
 

@@ -1,4 +1,4 @@
-"""Checkers of exercise 16 (the memory-budget puzzles): a device budget, ZeRO's stages, CPU offload, ring traffic.
+"""Checkers of exercise 18 (the memory-budget puzzles): a device budget, ZeRO's stages, CPU offload, ring traffic.
 
 The learner writes four small calculators; each is compared with the course's formulas on a set of puzzles, and its
 answer is then confirmed by running the configuration for real on simulated ranks with the device budget on
@@ -55,7 +55,7 @@ __all__ = ["RUN_CAPACITY", "RUN_SIZES", "check_bytes_sent", "check_comm_seconds"
 
 STAGES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 MAX_WORLD_SIZE = 64
-# (psi, unit_numel): lesson 16's MLP (8 layers of 65,792), a 1.3B model in 24 units, a small one in uneven units
+# (psi, unit_numel): lesson 18's MLP (8 layers of 65,792), a 1.3B model in 24 units, a small one in uneven units
 MODELS = ((526_336, 65_792), (1_300_000_000, 52_000_000), (10_000, 4_000))
 WORLD_SIZES = (1, 2, 3, 4, 8)
 MiB = 2**20

@@ -1,4 +1,4 @@
-"""Checker of exercise 17: one unit's gathered flat parameter, cut into each parameter's `Shard(0)` rows for rank r.
+"""Checker of exercise 19: one unit's gathered flat parameter, cut into each parameter's `Shard(0)` rows for rank r.
 
 The learner writes `dim0_chunks(layout, flat, rank, world_size)`: `flat` is a unit's gathered flat parameter
 `(padded_numel,)` (lesson 05's layout: the parameters end to end, then zeros), and the result is, for every parameter

@@ -1,4 +1,4 @@
-"""Checker of exercise 14: HSDP's gradient path for one flat gradient.
+"""Checker of exercise 16: HSDP's gradient path for one flat gradient.
 
 The learner writes `hsdp_reduce_grad(mesh, grad)`: `mesh` is this rank's `ctx.mesh(replicate=R, shard=S)`
 (runtime/mesh.py: `mesh.shard` and `mesh.replicate` are rank contexts over its row and its column), `grad` this

@@ -1,4 +1,4 @@
-"""Checker of exercise 15: a LoRA layer (Hu et al., arXiv:2106.09685), alone and fine-tuned under the course's FSDP.
+"""Checker of exercise 17: a LoRA layer (Hu et al., arXiv:2106.09685), alone and fine-tuned under the course's FSDP.
 
 The learner writes `LoRALinear(base, rank, alpha)`: keep the pretrained `nn.Linear` as `self.base`, frozen; two
 trainable parameters `lora_A` (rank, in_features), drawn at random, and `lora_B` (out_features, rank), zeros; and

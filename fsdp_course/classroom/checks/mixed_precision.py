@@ -1,4 +1,4 @@
-"""Checkers of exercise 12: fp16 loss scaling over sharded gradients (the found-inf check, then the scale's update).
+"""Checkers of exercise 13: fp16 loss scaling over sharded gradients (the found-inf check, then the scale's update).
 
 Loss scaling (Micikevicius et al., "Mixed Precision Training", arXiv:1710.03740, section 3.2) multiplies the loss by
 S before backward so that fp16 gradients do not flush to zero, divides the gradients by S before the step, and skips

@@ -1,4 +1,4 @@
-"""Checker of exercise 13: forward prefetching with asynchronous all-gathers.
+"""Checker of exercise 14: forward prefetching with asynchronous all-gathers.
 
 The learner writes `forward_prefetch(ctx, shards, compute, x)`: `shards[i]` is this rank's shard of unit i's flat
 parameter, `compute(i, full, x)` runs unit i with its gathered flat parameter `full` and returns its output. One unit
