@@ -1,5 +1,6 @@
 # fsdp-course: two commands do all the set-up on a fresh machine.
 #   make lab    create .venv if missing, install, open JupyterLab on lesson 00 (make lab-zh: the Chinese edition)
+#   make site   the course as a static website in build/site/, English and Chinese (docs/AUTHORS.md)
 #   make test   create .venv if missing, install, run ruff, the unit tests and nbval on every notebook, the notebooks
 #               under another machine's numerics (the portability pass: what another student's CPU computes)
 # Python: the first of python3, python3.14 ... python3.10 that torch 2.13 has wheels for (3.10-3.14);
@@ -14,7 +15,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 TEST_WORKERS ?= 2
 NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=240 --nbval-sanitize-with tests/sanitize.cfg
 
-.PHONY: lab lab-zh test test-portable test-native notebooks exercises translations lint clean-venv
+.PHONY: lab lab-zh site test test-portable test-native notebooks exercises translations lint clean-venv
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "No suitable Python found (looked for: $(PYTHON_CANDIDATES)). torch 2.13 needs" \
@@ -33,7 +34,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 # one pip run for both (an editable build costs seconds): it is also the student's install
 $(DEV_STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[classroom,dev]"
+	$(BIN)/python -m pip install --quiet -e ".[classroom,dev,site]"
 	touch $(STAMP) $(DEV_STAMP)
 
 lab: $(STAMP)
@@ -41,6 +42,10 @@ lab: $(STAMP)
 
 lab-zh: $(STAMP)
 	$(BIN)/python -m fsdp_course.classroom.lab --lang zh
+
+# the course as a website in build/site/ (both languages), from the saved notebooks: nothing runs, nothing is fetched
+site: $(DEV_STAMP)
+	$(BIN)/python docs/site/build.py --out build/site
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .

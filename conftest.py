@@ -104,11 +104,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # (seconds in a full run on 2 cores), so that the run does not end with one worker finishing lesson 11 while the other
 # is idle; the files that read the torchrun launches come after them, when the launches have ended (tests/phases.py).
 # xdist would otherwise sort the files by their number of tests, which put the longest ones last. Lesson 19 stays
-# late: its three-process DCP job aborts now and then (1 run in ~10 on a loaded machine) in a rank's interpreter
-# shutdown, after destroy_process_group ("terminate called without an active exception").
+# late: its three-process DCP job aborted now and then (1 run in ~10 on a loaded machine) in a rank's interpreter
+# shutdown ("terminate called without an active exception"); its ranks now leave with os._exit, and late is cheap.
 FIRST = ("tests/test_grading.py",                     # 91 s, most of it waiting for graded notebooks
          "lessons/11_real_fsdp.ipynb",                # 71 s: five torchrun jobs
          "tests/test_browser.py",                     # 70 s: JupyterLab and Chromium
+         "tests/test_site.py",                        # 60 s: the website built, then every page in Chromium
          "lessons/08_transformer.ipynb",              # 61 s: six trainings
          "lessons/10_distributed_pitfalls.ipynb",     # 43 s
          "tests/test_exercises.py",                   # 40 s: every exercise, unsolved, in one kernel
