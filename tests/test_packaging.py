@@ -42,17 +42,17 @@ def test_environment_yml_and_pyproject_list_the_same_dependencies() -> None:
 
 
 def test_students_install_less_than_the_test_suite() -> None:
-    """A student's install has no grading or test tools; `make test` installs both extras, `make lab` neither."""
+    """A student's install has no grading, test or website tools; `make test` installs every extra, `make lab` none."""
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     core = " ".join(pyproject["project"]["dependencies"])
     extras = pyproject["project"]["optional-dependencies"]
-    assert set(extras) == {"classroom", "dev"}
-    for tool in ("nbgrader", "nbval", "pytest", "ruff", "playwright"):
+    assert set(extras) == {"classroom", "dev", "site"}
+    for tool in ("nbgrader", "nbval", "pytest", "ruff", "playwright", "sphinx", "myst-nb"):
         assert tool not in core and any(tool in " ".join(reqs) for reqs in extras.values()), tool
     makefile = (ROOT / "Makefile").read_text()
-    assert 'pip install --quiet -e ".[classroom,dev]"' in makefile
+    assert 'pip install --quiet -e ".[classroom,dev,site]"' in makefile
     assert re.search(r"^lab: \$\(STAMP\)$", makefile, re.M) and re.search(r"^test: \$\(DEV_STAMP\)$", makefile, re.M)
-    assert 'pip install -e ".[classroom,dev]"' in (ROOT / "environment.yml").read_text()
+    assert 'pip install -e ".[classroom,dev,site]"' in (ROOT / "environment.yml").read_text()
 
 
 def test_grading_without_the_classroom_extra_says_what_to_install(monkeypatch, capsys, tmp_path) -> None:

@@ -88,6 +88,66 @@ def _whats(root: Path) -> list[str]:
     return [p.what.split(":")[0] for p in tr.status(root)]
 
 
+def _english_with_a_twin(path: Path) -> bool:
+    """An English lesson or exercise that has a Chinese twin."""
+    return path.suffix == ".ipynb" and path.parent.name != "zh" and (path.parent / "zh" / path.name).exists()
+
+
+def test_a_chinese_reader_is_never_sent_to_an_english_notebook_that_has_a_chinese_twin() -> None:
+    """From README.zh.md through every Chinese lesson and exercise: every link resolves, and no link, and no notebook
+    path named in the text, leads to an English notebook whose Chinese twin exists."""
+    import re
+
+    texts = [(ROOT / "README.zh.md", (ROOT / "README.zh.md").read_text(encoding="utf-8"))]
+    for kind in ("lessons", "exercises"):
+        for path in sorted((ROOT / kind / "zh").glob("*.ipynb")):
+            texts += [(path, c.source) for c in nbformat.read(path, 4).cells if c.cell_type == "markdown"]
+    problems = []
+    for path, text in texts:
+        for target in re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            resolved = (path.parent / target).resolve()
+            if not resolved.exists():
+                problems.append(f"{path.relative_to(ROOT)}: link to {target}, which does not exist")
+            elif _english_with_a_twin(resolved):
+                problems.append(f"{path.relative_to(ROOT)}: link to the English {target}; its Chinese twin is "
+                                f"{(resolved.parent / 'zh' / resolved.name).relative_to(ROOT)}")
+        for named in re.findall(r"`((?:lessons|exercises)/[0-9A]\w*\.ipynb)`", text):
+            if _english_with_a_twin(ROOT / named):
+                twin = named.replace("/", "/zh/", 1)
+                problems.append(f"{path.relative_to(ROOT)}: names the English `{named}`; say `{twin}`")
+    assert not problems, "\n".join(problems)
+
+
+def test_one_word_means_one_thing_in_the_chinese_edition() -> None:
+    """i18n/zh/glossary.yml's refused variants appear nowhere in the Chinese markdown, the checkers' Chinese hints or
+    the figures' Chinese text (outside `code`)."""
+    import re
+
+    import yaml
+
+    glossary = yaml.safe_load((ROOT / "i18n" / "zh" / "glossary.yml").read_text(encoding="utf-8"))
+    terms, quoting = glossary["terms"], set(glossary["quoting"])
+    assert len(terms) >= 10 and all(t["zh"] for t in terms)
+    texts = [(f"{p.relative_to(ROOT)} [{cid}]", e["zh"]) for p in sorted((ROOT / "i18n" / "zh").glob("*/*.yml"))
+             for cid, e in tr.load_catalog(p).items() if f"{p.relative_to(ROOT)} [{cid}]" not in quoting]
+    texts += [(p, (ROOT / p).read_text(encoding="utf-8"))
+              for p in ("fsdp_course/i18n/zh.py", "fsdp_course/i18n/zh_hints.py")]
+    found = []
+    for where, text in texts:
+        prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", text, flags=re.S))
+        for term in terms:
+            for pattern in term.get("refuse", []):
+                for m in re.finditer(pattern, prose):
+                    found.append(f"{where}: {prose[max(0, m.start() - 12):m.end() + 12]!r}: say {term['zh']} "
+                                 f"for {term['en']}")
+        if where.startswith("i18n/"):  # a line break inside a Chinese sentence renders as a stray space
+            found += [f"{where}: line break in {prose[m.start() - 8:m.end() + 8]!r}: join the lines"
+                      for m in re.finditer(r"[\u4e00-\u9fff，。；：、]\n(?![\s\-\d|#>*`])[\u4e00-\u9fff]", prose)]
+    assert not found, "\n".join(found[:30]) + f"\n({len(found)} in all)"
+
+
 def test_status_names_each_kind_of_problem_and_build_fixes_what_it_can(tmp_path: Path) -> None:
     lesson = _course(tmp_path)
     assert _whats(tmp_path) == ["missing catalog"]

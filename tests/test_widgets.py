@@ -102,3 +102,24 @@ def test_bad_input_is_refused_clearly():
     calc = zero_calculator()
     with pytest.raises(ValueError, match="not on the slider"):
         calc.set(world_size=9)
+
+
+def test_the_calculator_speaks_chinese_in_a_chinese_kernel(monkeypatch):
+    import re
+    import string
+
+    from fsdp_course.viz.widgets import TEXT
+
+    fields = [sorted(f for _, f, _, _ in string.Formatter().parse(t) if f) for pair in TEXT.values() for t in pair]
+    assert fields[0::2] == fields[1::2], "each text has the same fields in both languages"
+    monkeypatch.setenv("FSDP_COURSE_LANG", "zh")
+    calc = ZeroCalculator(MEASURED, numel=2000, world_size=4)
+    shown = [calc.params_slider.description, calc.world_slider.description, calc.optimizer_buttons.description,
+             calc.stage_buttons.description, calc.reset_button.description, *calc.optimizer_buttons._options_labels,
+             calc.readout_text()]
+    calc.set(numel=10**9)
+    shown.append(calc.readout_text())
+    names = {"Adam", "SGD", "DDP", "ZeRO", "KiB", "MiB", "GiB", "rank"}  # kept in the Chinese text as they are
+    english = {w for s in shown for w in re.findall(r"[A-Za-z]{3,}", s)} - names
+    assert not english, f"English left in the Chinese calculator: {sorted(english)}"
+    assert "每个 rank" in shown[-1] and "参数量" in shown[0]

@@ -23,7 +23,7 @@ TEXT: dict[str, str] = {
     "after: chunk r of the sum": "之后：和的第 r 块",
     "before: a full gradient each": "之前：每个 rank 一份完整梯度",
     "before: one shard each": "之前：每个 rank 一个分片",
-    "bytes sent per rank / payload": "每个 rank 发送的字节数 / 负载",
+    "bytes sent per rank / payload": "每个 rank 发送的字节数 / 有效载荷",
     "reduce_scatter of a padded tensor": "对填充后的张量做 reduce_scatter",
     "reduce_scatter, then all_gather": "先 reduce_scatter，再 all_gather",
     "ring cost per rank": "环形算法下每个 rank 的通信量",
@@ -49,20 +49,20 @@ TEXT: dict[str, str] = {
     "forward": "前向传播", "backward": "反向传播",  # the phases on a memory timeline's axis
     "collectives per step (α-β fit)": "每步的集合通信（α-β 拟合）",
     "model state per rank (KiB)": "每个 rank 的模型状态（KiB）",
-    "MB per rank": "每个 rank 的 MB",
+    "MB per rank": "每个 rank 的内存（MB）", "peak per rank, 16Ψ/N + 8U": "每个 rank 的峰值，16Ψ/N + 8U",
     "one unit per layer": "每层一个单元", "one unit": "一个单元",
     "parameters per unit, U": "每个单元的参数量 U",
     "seconds per step": "每步秒数",
     # lesson 08: the article's Transformer on real data
     "held-out accuracy": "留出集准确率", "held-out accuracy after each epoch": "每轮结束时的留出集准确率",
-    "ln 10: a uniform guess": "ln 10：均匀随机猜测", "logistic regression on the bag": "词袋上的逻辑回归",
+    "ln 10: a uniform guess": "ln 10：均匀随机猜测", "logistic regression on the bag": "像素袋上的逻辑回归",
     "loss (one process, batch of 64)": "损失（单进程，批大小 64）", "step": "步", "training loss": "训练损失",
-    "no positions, post-norm": "无位置编码，post-norm", "no positions, pre-norm": "无位置编码，pre-norm",
-    "positions, post-norm": "有位置编码，post-norm", "positions, pre-norm": "有位置编码，pre-norm",
+    "no positions, post-norm": "无位置嵌入，post-norm", "no positions, pre-norm": "无位置嵌入，pre-norm",
+    "positions, post-norm": "有位置嵌入，post-norm", "positions, pre-norm": "有位置嵌入，pre-norm",
     "the same pixels, scrambled": "同样的像素，打乱顺序", "after step": "优化器更新之后",
     "comm": "通信", "compute": "计算",
     "positions × pre-norm: the article's model (red), each fix alone, both (blue)":
-        "位置编码 × pre-norm：文章的模型（红），各自单独修复，两者同时（蓝）",
+        "位置嵌入 × pre-norm：文章的模型（红），各自单独修复，两者同时（蓝）",
 }
 
 PATTERNS: list[tuple[str, str]] = [
@@ -84,7 +84,7 @@ PATTERNS: list[tuple[str, str]] = [
     (r"(FSDP\(.*\)), (\d+) ranks, step (\d+)", r"\1，\2 个 rank，第 \3 步"),
     (r"Rank (\d+) of (\d+), one step: one unit vs one unit per layer", r"rank \1（共 \2 个），一步：一个单元 vs 每层一个单元"),
     (r"a test digit \(label (\d+)\)", r"一张测试数字图（标签 \1）"),
-    (r"no positions: (\d+)   positions: (\d+)", r"无位置编码：\1   有位置编码：\2"),
+    (r"no positions: (\d+)   positions: (\d+)", r"无位置嵌入：\1   有位置嵌入：\2"),
     # lessons 02-07
     (r"(DDP|FSDP|ZeRO-\d) formula", r"\1 公式"),
     (r"(DDP|FSDP|ZeRO-\d) measured", r"\1 实测"),
@@ -127,9 +127,9 @@ PATTERNS: list[tuple[str, str]] = [
     (r"Per-parameter shards on dim 0 \(FSDP2\): (\d+) parameters(.*), (\d+) ranks",
      r"按参数在第 0 维分片（FSDP2）：\1 个参数\2，\3 个 rank"),
     (r"Bytes sent by rank (\d+) per phase \(ring model, N = (\d+), payload = (.+)\)",
-     r"rank \1 在每个阶段发送的字节数（环形模型，N = \2，负载 = \3）"),
+     r"rank \1 在每个阶段发送的字节数（环形模型，N = \2，有效载荷 = \3）"),
     (r"Bytes received by rank (\d+) per phase \(ring model, N = (\d+), payload = (.+)\)",
-     r"rank \1 在每个阶段接收的字节数（环形模型，N = \2，负载 = \3）"),
+     r"rank \1 在每个阶段接收的字节数（环形模型，N = \2，有效载荷 = \3）"),
     (r"Model state per rank: Ψ = ([\d,]+) parameters, N = (\d+), (.+), (\d+) bytes per value",
      r"每个 rank 的模型状态：Ψ = \1 个参数，N = \2，\3，每个值 \4 字节"),
     (r"(.+)\nmeasured", r"\1\n实测"),

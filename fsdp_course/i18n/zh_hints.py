@@ -73,10 +73,10 @@ HINTS: list[tuple[str, str]] = [
      "（work = ctx.group.send([chunk], right, tag)），再 ctx.group.recv([incoming], left, tag).wait()，"
      "最后 work.wait()"),
     (r"^a rank finished while another still waited in a send or recv",
-     "一个 rank 已经结束，另一个还在等待与它的 send 或 recv：每个 send 都需要对端有匹配的 recv（相同 tag、"
+     "一个 rank 已经结束，另一个还在等待与它的 send 或 recv：每个 send 都需要对等方有匹配的 recv（相同 tag、"
      "相同元素个数），每个 recv 也都需要对应的 send"),
     (r"^a send or recv waited for a partner that never came",
-     "一个 send 或 recv 在等一个永远不会来的对端：每一步每个 rank 先启动 send（work = ctx.group.send([chunk], "
+     "一个 send 或 recv 在等一个永远不会来的对等方：每一步每个 rank 先启动 send（work = ctx.group.send([chunk], "
      "right, tag)），等待来自左边的 recv，再等待 send；rank r 发给 (r + 1) % N，从 (r - 1) % N 接收，tag 要匹配"),
     (r"^send and recv need contiguous tensors",
      "send 和 recv 需要连续的张量：使用一维缓冲区的分块（flat.chunk(n)）"),
@@ -159,18 +159,18 @@ HINTS: list[tuple[str, str]] = [
      r"你的 device_peak 在 N = \2 时给出 \1，公式给出 \3：先修好 device_peak（check_device_peak 会指出错误），"
      "你的循环只是沿用它的结果"),
     (r"^a ring sends \(N - 1\)/N of the payload per rank",
-     "环形算法中每个 rank 发送负载的 (N - 1)/N，而不是全部：每个 rank 已经持有自己的分块，所以把用 N 的地方换成 N - 1"),
+     "环形算法中每个 rank 发送有效载荷的 (N - 1)/N，而不是全部：每个 rank 已经持有自己的分块，所以把用 N 的地方换成 N - 1"),
     (r"^DDP, ZeRO-1 and ZeRO-2 move 2 Psi \(N-1\)/N",
      "DDP、ZeRO-1 和 ZeRO-2 传输 2 Psi (N-1)/N（一次归约分散加一次全聚合，即一次全归约）；ZeRO-3 传输 "
      "3 Psi (N-1)/N（前向全聚合、反向再全聚合一次、归约分散）"),
     (r"^a ring all-gather or reduce-scatter over N ranks takes N - 1 steps, each paying alpha",
-     "N 个 rank 上的环形全聚合或归约分散要走 N - 1 步，每步付出一次 alpha，每个 rank 发送负载的 (N - 1)/N："
+     "N 个 rank 上的环形全聚合或归约分散要走 N - 1 步，每步付出一次 alpha，每个 rank 发送有效载荷的 (N - 1)/N："
      "把用 N 的地方换成 N - 1"),
     (r"^the latency term is \(N-1\)x too small \((\d+)x here\)",
      r"延迟项只有应得值的 1/(N-1)（这里是 1/\1）：N 个 rank 上的环形全聚合或归约分散要走 N - 1 步，每步付出 alpha，"
      "所以每次集合通信的代价是 (N - 1) alpha，而不是 alpha"),
     (r"^the bandwidth term is units x too large \((\d+)x here\)",
-     r"带宽项是应得值的 units 倍（这里是 \1 倍）：一个单元的负载是 4Ψ/units 字节，不是整个模型的 4Ψ；"
+     r"带宽项是应得值的 units 倍（这里是 \1 倍）：一个单元的有效载荷是 4Ψ/units 字节，不是整个模型的 4Ψ；"
      "units x 3 次集合通信每次只传一个单元"),
     (r"^each unit is its own collective", "每个单元各自做集合通信：共 units x 3 次，每次付出 (N - 1) alpha"),
     (r"^ZeRO-3 runs three collectives per unit and step",
@@ -193,7 +193,7 @@ HINTS: list[tuple[str, str]] = [
     (r"^the flat tensor's values differ$", "展平参数的值不对"),
     (r"^rank (\d+)'s shard has (\d+) elements, the others (\d+): this is the article's bug\. "
      r"Every shard must have ceil\(numel / N\) = (\d+) elements",
-     r"rank \1 的分片有 \2 个元素，其余的有 \3 个：这正是原文的 bug。每个分片都必须有 ceil(numel / N) = \4 个元素："
+     r"rank \1 的分片有 \2 个元素，其余的有 \3 个：这正是文章的 bug。每个分片都必须有 ceil(numel / N) = \4 个元素："
      "最后一个分片由填充补齐"),
     (r"^(\d+) / (\d+) is not whole: shards have ceil\(numel / N\) = (\d+) elements",
      r"\1 / \2 不是整数：分片应有 ceil(numel / N) = \3 个元素，而不是 floor(numel / N)，否则最后几个元素不属于任何 rank"),
@@ -245,7 +245,7 @@ HINTS: list[tuple[str, str]] = [
 
     # -- 10 distributed pitfalls ---------------------------------------------------------------------------------
     (r"^([\d.]+) is rank (\d+)'s own shard's norm: the article's bug",
-     r"\1 是 rank \2 自己分片的范数：这是原文的 bug。要在所有 rank 上对各分片的范数平方求和"
+     r"\1 是 rank \2 自己分片的范数：这是文章的 bug。要在所有 rank 上对各分片的范数平方求和"
      "（ctx.all_reduce，op='sum'），再开平方"),
     (r"^norms do not add up", "范数不能直接相加：全归约范数的平方（求和），再开平方"),
     (r"^that is sqrt\(mean of the squared norms\)", "这是 sqrt(范数平方的平均)：全归约平方时用 op='sum'，不是 'mean'"),
@@ -253,7 +253,7 @@ HINTS: list[tuple[str, str]] = [
      "分片没有被缩放：对每个分片原地相乘（g.mul_(coef)），coef = max_norm / (norm + 1e-6)"),
     (r"^rank (\d+) scaled by max_norm / its own norm \(([\d.]+)\): the article's bug; every rank must scale by "
      r"max_norm / the global norm \(([\d.]+)\)",
-     r"rank \1 用 max_norm / 它自己的范数（\2）缩放：这是原文的 bug；每个 rank 都必须用 max_norm / 全局范数（\3）缩放"),
+     r"rank \1 用 max_norm / 它自己的范数（\2）缩放：这是文章的 bug；每个 rank 都必须用 max_norm / 全局范数（\3）缩放"),
     (r"^the global norm is below max_norm: clip only when it exceeds it",
      "全局范数低于 max_norm：只有超过时才做梯度裁剪（把系数限制在 1 以内）"),
     (r"^a rank made a collective that the others did not",
@@ -331,7 +331,7 @@ HINTS: list[tuple[str, str]] = [
 
     # -- model pitfalls --------------------------------------------------------------------------------------------
     (r"^the article's bug: x did not depend on i",
-     "原文的 bug：x 不依赖于 i；为每个样本重新生成 id，例如一次性用 "
+     "文章的 bug：x 不依赖于 i；为每个样本重新生成 id，例如一次性用 "
      "torch.randint(0, vocab, (n, seq), generator=generator)"),
     (r"^an Embedding takes integer ids: draw them", "Embedding 接受整数 id：用 torch.randint 生成，不要转成 float"),
     (r"^label each sample by its own ids", "用每个样本自己的 id 打标签：inputs.sum(dim=1) % 10"),
@@ -351,8 +351,8 @@ HINTS: list[tuple[str, str]] = [
     (r"^cross_entropy wants one row of logits per sample",
      "cross_entropy 要求每个样本一行 logits：在 head 之前对序列取平均（编码器 (seq, batch, d) 的 dim 0）"),
     (r"^the article scales the embeddings by sqrt\(d_model\)",
-     "原文在编码器之前把嵌入乘以 sqrt(d_model)：x = model.embedding(tokens) * model.scale"),
-    (r"^pool with \.mean\(dim=0\)", "用 .mean(dim=0) 池化，与原文的 x.mean(0) 一样：求和会随序列长度增长"),
+     "文章在编码器之前把嵌入乘以 sqrt(d_model)：x = model.embedding(tokens) * model.scale"),
+    (r"^pool with \.mean\(dim=0\)", "用 .mean(dim=0) 池化，与文章的 x.mean(0) 一样：求和会随序列长度增长"),
     (r"^write the path with the model's layers",
      "用模型的各层写出这条路径（model.embedding、model.encoder、model.fc）：检查器拿 model(tokens) 来比较"),
     (r"^return the head's output, model\.fc\(pooled\)", "返回 head 的输出 model.fc(pooled)"),

@@ -19,6 +19,7 @@ or assign a control's `.value`.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import math
 import re
@@ -28,11 +29,39 @@ from typing import Any
 import ipywidgets as widgets
 from matplotlib.figure import Figure
 
+from fsdp_course.i18n import language
 from fsdp_course.viz import STAGES, format_bytes, plot_zero_bars, stage_index, zero_bytes, zero_formula_text
 
 __all__ = ["BROWSER_SELECTORS", "CSS_CLASSES", "OPTIMIZERS", "ZeroCalculator", "format_count", "zero_calculator"]
 
 OPTIMIZERS = (("Adam", "adam"), ("SGD with momentum", "sgd_momentum"), ("SGD", "sgd"))
+# Every text the calculator shows, by id, in English and Chinese: the language is fsdp_course.i18n.language() at
+# the calculator's construction (a kernel started in a zh/ folder, or FSDP_COURSE_LANG=zh, speaks Chinese).
+TEXT = {
+    "params": ("parameters Ψ", "参数量 Ψ"),
+    "world_size": ("world size N", "进程数 N"),
+    "optimizer": ("optimizer", "优化器"),
+    "stage": ("stage", "阶段"),
+    "back": ("back to the lesson's run", "回到本课实测的配置"),
+    "reset": ("reset", "重置"),
+    "adam": ("Adam", "Adam"),
+    "sgd_momentum": ("SGD with momentum", "带动量的 SGD"),
+    "sgd": ("SGD", "SGD"),
+    "summary": ("{stage} ({formula}), Ψ = {psi} parameters, N = {n}, {optimizer}: {bytes} per rank",
+                "{stage}（{formula}），Ψ = {psi} 个参数，N = {n}，{optimizer}：每个 rank {bytes}"),
+    "part_params": ("params", "参数"), "part_grads": ("grads", "梯度"),
+    "part_optimizer": ("optimizer", "优化器状态"), "part_gathered": ("gathered", "聚合的参数"),
+    "ddp": ("DDP would need {bytes} per rank, {ratio:.2f}x as much.",
+            "DDP 每个 rank 需要 {bytes}，是它的 {ratio:.2f} 倍。"),
+    "hatched": ("Hatched bars: bytes measured in the lesson's run.", "带斜线的柱：本课实测的字节数。"),
+    "elsewhere": ("The measured bars belong to Ψ = {psi}, N = {n}, {optimizer}: press the button to compare.",
+                  "实测的柱属于 Ψ = {psi}，N = {n}，{optimizer}：按下上面的按钮即可对比。"),
+}
+
+
+def text(key: str, lang: str = "en", **fields: Any) -> str:
+    """The calculator's text `key` in `lang` ("en" or "zh"), its fields filled in."""
+    return TEXT[key][lang == "zh"].format(**fields)
 WORLD_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 CSS_CLASSES = {"params": "fsdp-zero-params", "world_size": "fsdp-zero-world-size",
                "optimizer": "fsdp-zero-optimizer", "stage": "fsdp-zero-stage", "readout": "fsdp-zero-readout",
@@ -85,20 +114,22 @@ class ZeroCalculator(widgets.VBox):
         self.measured = dict(measured) if measured is not None else None
         self.home = (numel, world_size, optimizer)
         self.bytes_per_param, self.gathered_numel, self.dpi = bytes_per_param, gathered_numel, dpi
+        self.lang = language()
+        t = functools.partial(text, lang=self.lang)
         wide = {"description_width": "initial"}
         self.params_slider = widgets.FloatLogSlider(
             value=numel, base=10, min=min(6, math.floor(math.log10(numel))), max=max(11, math.log10(numel)),
-            step=0.01, description="parameters Ψ", readout_format=".3s", continuous_update=False, style=wide,
+            step=0.01, description=t("params"), readout_format=".3s", continuous_update=False, style=wide,
             layout=widgets.Layout(width="520px"))
         self.world_slider = widgets.SelectionSlider(
-            options=sorted(set(WORLD_SIZES) | {world_size}), value=world_size, description="world size N",
+            options=sorted(set(WORLD_SIZES) | {world_size}), value=world_size, description=t("world_size"),
             continuous_update=False, style=wide, layout=widgets.Layout(width="520px"))
         buttons = {"description_width": "initial", "button_width": "170px"}
-        self.optimizer_buttons = widgets.ToggleButtons(options=OPTIMIZERS, value=optimizer,
-                                                       description="optimizer", style=buttons)
+        self.optimizer_buttons = widgets.ToggleButtons(options=[(t(v), v) for _, v in OPTIMIZERS], value=optimizer,
+                                                       description=t("optimizer"), style=buttons)
         self.stage_buttons = widgets.ToggleButtons(options=[(s, i) for i, s in enumerate(STAGES)],
-                                                   value=stage_index(stage), description="stage", style=buttons)
-        self.reset_button = widgets.Button(description="back to the lesson's run" if measured else "reset",
+                                                   value=stage_index(stage), description=t("stage"), style=buttons)
+        self.reset_button = widgets.Button(description=t("back") if measured else t("reset"),
                                            layout=widgets.Layout(width="200px"))
         self.readout = widgets.HTML()
         self.image = widgets.Image(format="png", layout=widgets.Layout(width=f"{8 * dpi}px"))  # 8-inch figure
@@ -151,10 +182,11 @@ class ZeroCalculator(widgets.VBox):
     # ------------------------------------------------------------ output
     def summary(self) -> str:
         """One plain line: stage, formula, Psi, N, optimizer and the bytes per rank."""
-        s, opt = self.stage_buttons.value, self.optimizer_buttons.label
-        return (f"{STAGES[s]} ({zero_formula_text(s, self.optimizer_buttons.value, self.bytes_per_param)}), "
-                f"Ψ = {format_count(self.numel)} parameters, N = {self.world_slider.value}, {opt}: "
-                f"{format_bytes(self.bytes_per_rank()['total'])} per rank")
+        s = self.stage_buttons.value
+        return text("summary", self.lang, stage=STAGES[s],
+                    formula=zero_formula_text(s, self.optimizer_buttons.value, self.bytes_per_param),
+                    psi=format_count(self.numel), n=self.world_slider.value, optimizer=self.optimizer_buttons.label,
+                    bytes=format_bytes(self.bytes_per_rank()["total"]))
 
     def readout_text(self) -> str:
         """The readout without its HTML tags."""
@@ -172,19 +204,19 @@ class ZeroCalculator(widgets.VBox):
             return
         f = self.bytes_per_rank()
         lines = [f"<b>{self.summary()}</b>"]
-        parts = [f"{c} {format_bytes(f[c])}" for c in ("params", "grads", "optimizer", "gathered") if f[c]]
+        parts = [f"{text('part_' + c, self.lang)} {format_bytes(f[c])}"
+                 for c in ("params", "grads", "optimizer", "gathered") if f[c]]
         if parts:
             lines.append("= " + " + ".join(parts))
         if self.stage_buttons.value > 0 and f["total"]:
             ddp = zero_bytes(self.numel, self.world_slider.value, 0, optimizer=self.optimizer_buttons.value,
                              bytes_per_param=self.bytes_per_param)["total"]
-            lines.append(f"DDP would need {format_bytes(ddp)} per rank, {ddp / f['total']:.2f}x as much.")
+            lines.append(text("ddp", self.lang, bytes=format_bytes(ddp), ratio=ddp / f["total"]))
         if self.measured is not None and self.at_measured_run():
-            lines.append("Hatched bars: bytes measured in the lesson's run.")
+            lines.append(text("hatched", self.lang))
         elif self.measured is not None:
             numel, n, opt = self.home
-            lines.append(f"The measured bars belong to Ψ = {format_count(numel)}, N = {n}, "
-                         f"{dict((v, k) for k, v in OPTIMIZERS)[opt]}: press the button to compare.")
+            lines.append(text("elsewhere", self.lang, psi=format_count(numel), n=n, optimizer=text(opt, self.lang)))
         self.readout.value = f'<div data-bytes="{f["total"]:.0f}">' + "<br>".join(lines) + "</div>"
         self.image.value = _png(self.figure(), self.dpi)
 
