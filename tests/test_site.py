@@ -128,6 +128,11 @@ def test_going_deeper_answers_and_hints_stay_folded(site: Path, browser_page, la
     assert not deeper.locator("p").first.is_visible(), "Going deeper's text shows before it is opened"
     deeper.locator("summary").click()
     assert deeper.locator("p").first.is_visible()
+    inside = deeper.locator("section[id]").first.get_attribute("id")  # a link into the folded part opens it (the
+    # browser opens a <details> that holds the fragment it navigates to)
+    page.goto("about:blank")
+    page.goto(f"{page.base}{lang}/lessons/06_fsdp.html#{inside}", wait_until="load")
+    page.wait_for_function("document.querySelector('details.going-deeper').open")
     answers = page.locator("details.sd-dropdown")
     assert answers.count() >= 1 and not any(answers.nth(i).evaluate("d => d.open") for i in range(answers.count()))
     page.goto(f"{page.base}{lang}/exercises/06_fsdp.html", wait_until="load")
