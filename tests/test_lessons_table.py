@@ -48,3 +48,28 @@ def test_the_course_map_reads_every_lesson_its_exercise_and_its_text(tmp_path: P
     assert (found.spine_words, found.words, found.spine_minutes, found.minutes) == (607, 1510, 5, 15)
     with pytest.raises(FileNotFoundError, match="run it from a clone of the course"):
         course_map(tmp_path / "nowhere")
+
+
+def test_each_exercise_shares_its_lessons_name_and_every_reference_resolves() -> None:
+    """exercises/NN_name.ipynb goes with lessons/NN_name.ipynb; every "lesson NN" / "exercise NN" in the English
+    notebooks' text names one that exists, and every link to a notebook resolves."""
+    import json
+
+    lessons = {p.name for p in (ROOT / "lessons").glob("*.ipynb")}
+    exercises = {p.name for p in (ROOT / "exercises").glob("*.ipynb")}
+    assert exercises <= lessons, f"exercises without a lesson of the same name: {sorted(exercises - lessons)}"
+    numbers = {"lesson": {n[:2] for n in lessons}, "exercise": {n[:2] for n in exercises}}
+    problems = []
+    for path in sorted([*(ROOT / "lessons").glob("*.ipynb"), *(ROOT / "exercises").glob("*.ipynb"),
+                        *(ROOT / "solutions").glob("*.ipynb")]):
+        for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+            if cell["cell_type"] != "markdown":
+                continue
+            text = "".join(cell["source"])
+            for kind, number in re.findall(r"\b([Ll]esson|[Ee]xercise)s? (\d\d)\b", text):
+                if number not in numbers[kind.lower()]:
+                    problems.append(f"{path.relative_to(ROOT)}: {kind} {number} does not exist")
+            for target in re.findall(r"\]\(([^)\s#]+\.ipynb)", text):
+                if not (path.parent / target).exists():
+                    problems.append(f"{path.relative_to(ROOT)}: link to {target}, which does not exist")
+    assert not problems, problems

@@ -133,11 +133,13 @@ def test_going_deeper_answers_and_hints_stay_folded(site: Path, browser_page, la
     page.goto("about:blank")
     page.goto(f"{page.base}{lang}/lessons/06_fsdp.html#{inside}", wait_until="load")
     page.wait_for_function("document.querySelector('details.going-deeper').open")
+    titles = page.locator("details summary").all_inner_texts()
+    assert titles and not [t for t in titles if "*" in t or "<" in t], titles  # no markup leaks into a title
     answers = page.locator("details.sd-dropdown")
     assert answers.count() >= 1 and not any(answers.nth(i).evaluate("d => d.open") for i in range(answers.count()))
     page.goto(f"{page.base}{lang}/exercises/06_fsdp.html", wait_until="load")
-    hints = page.locator("details.sd-dropdown")
-    assert hints.count() >= 1 and not hints.first.evaluate("d => d.open")
+    hints = page.locator("details", has=page.locator("summary b"))  # one folded block per hint, all closed
+    assert hints.count() >= 3 and not any(hints.nth(i).evaluate("d => d.open") for i in range(hints.count()))
     _open_lesson(page, lang, "03_memory")  # a bookkeeping cell collapsed in JupyterLab: collapsed here too
     hidden = page.locator(".cell.tag_hide-input")
     assert hidden.count() >= 1 and not hidden.first.locator(".cell_input").is_visible()

@@ -112,9 +112,9 @@ def stage_notebook(source: Path, staged: str, lang: str) -> dict:
             if text.startswith(DEEPER):  # fold.js folds the section that holds this marker
                 heading, _, rest = text.partition("\n")
                 text = f'{heading}\n\n<div class="going-deeper-marker"></div>\n{rest}'
-            if hidden.get("source_hidden"):  # answers and hints: folded, as in JupyterLab
+            if hidden.get("source_hidden") and not text.lstrip().startswith("<details"):  # folded, as in Lab
                 first, _, rest = text.partition("\n")
-                title = first.strip().strip("*").rstrip(".:：") or "…"
+                title = re.sub(r"\*\*|__|<[^>]+>", "", first).strip().rstrip(".:：") or "…"
                 text = f":::{{dropdown}} {title}\n{rest.strip()}\n:::"
         elif cell["cell_type"] == "code":
             tags = list(cell.get("metadata", {}).get("tags", []))
