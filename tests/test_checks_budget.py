@@ -52,6 +52,20 @@ def never_shards(psi, n, stage, offload, unit):
     return REF(psi, 1, stage, offload, unit)
 
 
+def floor_division(psi, n, stage, offload, unit):  # // where Psi / N is not whole
+    shard = lambda k: 4 * psi // (n if stage >= k else 1)  # noqa: E731
+    gathered = 8 * unit if stage == 3 else 0
+    return gathered if offload else shard(3) + shard(2) + 2 * shard(1) + gathered
+
+
+def stage_off_by_one(psi, n, stage, offload, unit):  # ZeRO-k computed as ZeRO-(k+1) (ZeRO-3 as ZeRO-2)
+    return REF(psi, n, min(stage + 1, 3), offload, unit) if stage < 3 else REF(psi, n, 2, offload, unit)
+
+
+def smallest_strictly_below(psi, unit, capacity, stage, offload):  # < where a peak equal to the capacity fits
+    return next((n for n in range(1, 65) if REF(psi, n, stage, offload, unit) < capacity), None)
+
+
 def stub(*args):
     raise NotImplementedError()
 
@@ -138,6 +152,8 @@ def test_references_pass(capsys: pytest.CaptureFixture[str]) -> None:
     (no_gathered_unit, "the largest unit's full parameters and its full gradient are on the device too"),
     (elements, "those are elements, not bytes"),
     (never_shards, "shards some states over the N ranks: divide what it shards by N"),
+    (floor_division, "rounded down: Psi / N need not be whole, so divide with /, not //"),
+    (stage_off_by_one, "that is ZeRO-3's peak, not ZeRO-2's"),
 ])
 def test_device_peak_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
     fails(check_device_peak, fn, hint=hint, capsys=capsys)
@@ -148,6 +164,7 @@ def test_device_peak_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.
     (smallest_with(offload_on_device), "you counted the offloaded state against the device"),
     (smallest_with(no_gathered_unit), "ZeRO-3 also holds the largest unit gathered with its gradient"),
     (smallest_off_by_one, "try N = 1, 2, 3"),
+    (smallest_strictly_below, "a boundary case: at N = 4 the device needs exactly 2,631,680 B, the whole capacity"),
     (smallest_never_tries_64, "N = 64 fits, and your search never tried it: range(1, 64) stops at 63"),
     (smallest_past_64, "the search is N = 1 to 64: when none of them fits, return None (you went on to N = 65)"),
     (smallest_calling(offload_keeps_shards), "your device_peak gives 4,737,024 B at N = 1, the formula 526,336 B: fix "

@@ -145,6 +145,8 @@ def test_one_word_means_one_thing_in_the_chinese_edition() -> None:
         if where.startswith("i18n/"):  # a line break inside a Chinese sentence renders as a stray space
             found += [f"{where}: line break in {prose[m.start() - 8:m.end() + 8]!r}: join the lines"
                       for m in re.finditer(r"[\u4e00-\u9fff，。；：、]\n(?![\s\-\d|#>*`])[\u4e00-\u9fff]", prose)]
+            found += [f"{where}: a space in {prose[m.start() - 8:m.end() + 8]!r}: Chinese words take none"
+                      for m in re.finditer(r"[\u4e00-\u9fff] [\u4e00-\u9fff]", prose)]
     assert not found, "\n".join(found[:30]) + f"\n({len(found)} in all)"
 
 

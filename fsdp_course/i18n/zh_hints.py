@@ -138,6 +138,14 @@ HINTS: list[tuple[str, str]] = [
      "你漏掉了优化器状态：Adam 保存两个 fp32 矩，每个参数 8 字节（从 ZeRO-1 起在 N 个 rank 上分片）"),
     (r"^you forgot the optimizer's state",
      "你漏掉了优化器状态：Adam 每个参数占 8 字节（从 ZeRO-1 起分片）"),
+    (r"^your ([\d,]+) B is the formula's ([\d,.]+) B rounded (?:down|up)",
+     r"你的 \1 B 是公式的 \2 B 取整后的结果：Ψ / N 不一定是整数，所以用 / 而不是 // 或 round() 来除；"
+     "检查器按百万分之一比较字节数，而不是按整字节"),
+    (r"^that is (\S+)'s peak, not (\S+)'s",
+     r"这是 \1 的峰值，不是 \2 的：ZeRO-1 对优化器状态分片，ZeRO-2 还对梯度分片，ZeRO-3 连参数也分片"
+     "（并且一次全聚合一个分片单元）；检查你的阶段编号对哪些状态分片"),
+    (r"^a boundary case: at N = (\d+) the device needs exactly ([\d,]+ B)",
+     r"边界情况：N = \1 时设备恰好需要 \2，正好是全部容量，而峰值等于容量时放得下：比较时用 <=，不要用 <"),
     (r"^ZeRO-3 gathers one unit at a time",
      "ZeRO-3 一次全聚合一个单元：峰值时，最大单元的完整参数和完整梯度也在设备上，按该单元每个参数 8 字节计"),
     (r"^ZeRO-3 also holds the largest unit gathered with its gradient",

@@ -112,9 +112,19 @@ def _device_hint(got: float, psi: int, n: int, stage: int, offload: bool, unit: 
         return "the gathered unit's gradient is full too while it waits for its reduce-scatter: 8 bytes, not 4"
     if _close(got * 4, expected["device"]):
         return "those are elements, not bytes: one fp32 value is 4 bytes"
+    if 0 < abs(got - expected["device"]) < 8 and got == int(got):
+        return (f"your {got:,.0f} B is the formula's {expected['device']:,.2f} B rounded "
+                f"{'down' if got < expected['device'] else 'up'}: Psi / N need not be whole, so divide with /, not // "
+                "or round(); the checker compares bytes to a millionth, not to the byte")
     if n > 1 and _close(got, sum(states[k] * (n if stage >= s else 1)
                                  for k, s in (("params", 3), ("grads", 2), ("optimizer", 1))) + states["gathered"]):
         return f"{STAGES[stage]} shards some states over the N ranks: divide what it shards by N"
+    for other in (stage - 1, stage + 1):
+        neighbour = budget_formula(psi, n, other, gathered_numel=unit)["device"] if 0 <= other <= 3 else None
+        if neighbour is not None and not offload and _close(got, neighbour):
+            return (f"that is {STAGES[other]}'s peak, not {STAGES[stage]}'s: ZeRO-1 shards the optimizer state, "
+                    "ZeRO-2 the gradients as well, ZeRO-3 the parameters too (and gathers one unit at a time); "
+                    "check which states your stage number shards")
     return (f"per parameter 4 bytes of parameter, 4 of gradient, 8 of Adam state; {STAGES[stage]} shards "
             f"{['nothing', 'the optimizer state', 'the optimizer state and the gradients', 'all three'][stage]}"
             + ("; offload moves the sharded states to the host" if offload else ""))
@@ -241,6 +251,8 @@ SMALLEST_CASES = (  # (psi, unit_numel, capacity in bytes, stage, offload)
     (526_336, 65_792, 5 * MiB, 1, False), (526_336, 65_792, 3 * MiB, 0, False), (526_336, 65_792, 0.4 * MiB, 3, True),
     (1_300_000_000, 52_000_000, 80 * 2**30, 2, False), (1_300_000_000, 52_000_000, 2 * 2**30, 3, False),
     (1_300_000_000, 52_000_000, 1 * 2**30, 3, True), (10_000, 4_000, 80_000, 3, False),
+    # a peak equal to the capacity fits: 16 Psi / 4 + 8 x 65,792 = 2,631,680 B at N = 4, to the byte
+    (526_336, 65_792, 2_631_680, 3, False),
     # the edge of the search: the answer is the last N tried, then (one byte less) no N fits: None
     (1_300_000_000, 52_000_000, EDGE_CAPACITY, 3, False), (1_300_000_000, 52_000_000, EDGE_CAPACITY - 1, 3, False),
 )
@@ -283,6 +295,10 @@ def _smallest_hint(got: float | None, psi: int, unit: int, capacity: float, stag
     if got is None and expected == MAX_WORLD_SIZE:
         return (f"N = {MAX_WORLD_SIZE} fits, and your search never tried it: range(1, {MAX_WORLD_SIZE}) stops at "
                 f"{MAX_WORLD_SIZE - 1}; try every N from 1 to {MAX_WORLD_SIZE} (range(1, {MAX_WORLD_SIZE + 1}))")
+    strict = next((n for n in range(1, MAX_WORLD_SIZE + 1) if formula(n)["device"] < capacity), None)
+    if got == strict and expected is not None and formula(expected)["device"] == capacity:
+        return (f"a boundary case: at N = {expected} the device needs exactly {capacity:,.0f} B, the whole capacity, "
+                "and a peak equal to the capacity fits: compare with <=, not <")
     if expected is None and got is not None and got > MAX_WORLD_SIZE:
         return (f"the search is N = 1 to {MAX_WORLD_SIZE}: when none of them fits, return None (you went on to "
                 f"N = {got:.0f})")
