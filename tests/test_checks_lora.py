@@ -47,6 +47,19 @@ class BothZero(Reference):
         self.lora_A = nn.Parameter(torch.zeros(rank, base.in_features))
 
 
+class SwappedInit(Reference):  # A zero, B random: the adapted model still starts as the pretrained one
+    def __init__(self, base, rank, alpha):
+        super().__init__(base, rank, alpha)
+        self.lora_A = nn.Parameter(torch.zeros(rank, base.in_features))
+        self.lora_B = nn.Parameter(torch.randn(base.out_features, rank))
+
+
+class InvertedScaling(Reference):
+    def __init__(self, base, rank, alpha):
+        super().__init__(base, rank, alpha)
+        self.scaling = rank / alpha
+
+
 class Unscaled(Reference):
     def forward(self, x):
         return self.base(x) + F.linear(F.linear(x, self.lora_A), self.lora_B)
@@ -156,6 +169,8 @@ def test_the_reference_solutions_pass(capsys: pytest.CaptureFixture[str]) -> Non
 @pytest.mark.parametrize("planted, hint", [
     (RandomB, "B must start at zero"),
     (BothZero, "with A and B both zero"),
+    (SwappedInit, "A and B are swapped: B starts at zero"),
+    (InvertedScaling, "the scaling is inverted: the update is multiplied by 0.5 = rank / alpha"),
     (Unscaled, "the update is not scaled: multiply B(A x) by alpha / rank (here 4 / 2 = 2)"),
     (ScaledByAlpha, "the update is scaled by alpha: the scaling is alpha / rank (here 2, not 4)"),
     (BaseNotFrozen, "the base's weight and bias still require grad"),

@@ -55,6 +55,17 @@ def reduces_only_when_found(ctx: RankContext, shards: list[torch.Tensor], scale:
     return False
 
 
+def divides_only_when_clean(ctx: RankContext, shards: list[torch.Tensor], scale: float) -> bool:
+    found = torch.zeros(1)
+    for g in shards:
+        found = torch.maximum(found, (~torch.isfinite(g)).any().float().reshape(1))
+    found = ctx.all_reduce(found, op="max")
+    if not found.item():  # the step is skipped anyway, but the contract is broken
+        for g in shards:
+            g.div_(scale)
+    return bool(found.item())
+
+
 def returns_the_flag_tensor(ctx: RankContext, shards: list[torch.Tensor], scale: float) -> torch.Tensor:
     found = torch.zeros(1)
     for g in shards:
@@ -124,6 +135,8 @@ def test_found_inf_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
     (multiplies, (1,), "world size 1, no inf or NaN, rank 0", "multiplied by the scale"),
     (checks_last_shard_only, (2,), "world size 2, an inf on every rank", "no rank found the inf in its own shards"),
     (always_skips, (2,), "world size 2, no inf or NaN", "with every shard finite, return False"),
+    (divides_only_when_clean, (2,), "world size 2, an inf on every rank, rank 0",
+     "the shards were left scaled because an inf was found"),
 ])
 def test_found_inf_planted(fn: Callable, world_sizes: tuple[int, ...], where: str, hint: str,
                            capsys: pytest.CaptureFixture[str]) -> None:
@@ -183,7 +196,7 @@ def test_update_scale_reference_passes(capsys: pytest.CaptureFixture[str]) -> No
 
 
 @pytest.mark.parametrize(("fn", "where", "hint"), [
-    (grows_one_step_late, "step 3 ", "the scale doubles now (count this step first"),
+    (grows_one_step_late, "step 3 ", "which reaches growth_interval: the scale doubles now. Count this step first"),
     (keeps_count_on_skip, "step 5 ", "after a skipped step the count of clean steps starts again from 0"),
     (keeps_count_on_growth, "step 3 ", "when the scale grows, the count of clean steps starts again from 0"),
     (never_backs_off, "step 5 ", "multiplied by backoff_factor = 0.5"),

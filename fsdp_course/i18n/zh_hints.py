@@ -293,6 +293,12 @@ HINTS: list[tuple[str, str]] = [
      "A 要随机初始化，例如 nn.init.kaiming_uniform_(A, a=math.sqrt(5)) 或正态分布"),
     (r"^the update is not scaled: multiply B\(A x\) by alpha / rank \(here (.+)\)$",
      r"更新量没有缩放：把 B(A x) 乘以 alpha / rank（这里是 \1）"),
+    (r"^A and B are swapped: B starts at zero",
+     "A 和 B 弄反了：B 应从零开始（这样适配后的模型一开始就是预训练模型），A 应随机初始化"
+     "（这样 B 的梯度 (dL/dy) (A x)ᵀ 从第一步起就不为零）"),
+    (r"^the scaling is inverted: the update is multiplied by ([\d.]+) = rank / alpha.*; it is alpha / rank = ([\d.]+)",
+     r"缩放反了：更新被乘以 \1 = rank / alpha（漏掉 alpha、只除以 rank 时也一样）；应为 alpha / rank = \2："
+     "alpha 越大，适配器的更新越大"),
     (r"^the update is scaled by alpha: the scaling is alpha / rank \(here (.+)\)$",
      r"更新量按 alpha 缩放了：缩放系数应为 alpha / rank（这里是 \1）"),
     (r"^freeze the pretrained Linear", "冻结预训练的 Linear：self.base.requires_grad_(False)"),
@@ -321,6 +327,9 @@ HINTS: list[tuple[str, str]] = [
      "有的 rank 做了其他 rank 没做的集合通信（全归约写在了 `if found:` 下？）：每个 rank 都必须调用全归约，"
      "带上它的标志 0 或 1，不论是否发现 inf"),
     (r"^return a Python bool", "返回 Python 的 bool，例如 bool(flag.item())"),
+    (r"^the shards were left scaled because an inf was found",
+     "因为发现了 inf，这些分片没有被反缩放：约定是无论标志如何，都先原地除以缩放因子，再做检查，"
+     "与 torch 的内核一样（GradScaler 先反缩放，再检查）"),
     (r"^the shards were not unscaled: divide each one in place",
      "分片没有反缩放：对每个分片原地相除（g.div_(scale) 或 g.mul_(1 / scale)）；新建张量（g = g / scale）"
      "不会改变优化器的 .grad"),
@@ -329,8 +338,9 @@ HINTS: list[tuple[str, str]] = [
      "没有 rank 在自己的分片里发现 inf：相除之后用 torch.isfinite 检查每个分片（或查找 inf/NaN），再转成标志"),
     (r"^with every shard finite, return False",
      "所有分片都有限时返回 False：只有某个分片含 inf 或 NaN 时才返回 True（干净分片的 torch.isfinite(g).all() 为 True）"),
-    (r"^clean_steps reached growth_interval \((\d+) clean steps in a row\)",
-     r"clean_steps 达到了 growth_interval（连续 \1 个干净步）：scale 现在翻倍（先计入这一步，再与 growth_interval 比较）"),
+    (r"^this clean step is the (\d+)th in a row, which reaches growth_interval",
+     r"这是连续第 \1 个干净步，达到了 growth_interval：scale 现在就翻倍。先计入这一步，再用 >=（或 ==）与 "
+     "growth_interval 比较：用旧的计数比较，或者用 >，都会晚一步翻倍"),
     (r"^after a skipped step the count of clean steps starts again from 0", "跳过一步之后，干净步的计数从 0 重新开始"),
     (r"^when the scale grows, the count of clean steps starts again from 0", "scale 增长时，干净步的计数从 0 重新开始"),
     (r"^after a skipped step \(found_inf True\) the scale is multiplied by backoff_factor = ([\d.]+)",

@@ -110,6 +110,10 @@ def _at_init(module: nn.Module, base: nn.Linear, name: str) -> None:
                 "else (the base called once, with its bias)")
         _fail(where, "the output differs from the base Linear's at step 0", hint,
               [f"expected {format_tensor(expected)}", f"got      {format_tensor(got)}"])
+    if not a.any() and b.any():
+        _fail(where, "lora_A is all zeros and lora_B is not",
+              "A and B are swapped: B starts at zero (so the adapted model starts as the pretrained one) and A at "
+              "random (so that B's gradient, (dL/dy) (A x)ᵀ, is not zero from the first step)")
     if not a.any():
         _fail(where, "lora_A is all zeros",
               "with A and B both zero, B's gradient (which is (dL/dy) (A x)ᵀ) is zero too, and A's is (B ...) zero: "
@@ -169,6 +173,10 @@ def _with_values(module: nn.Module, base: nn.Linear, name: str) -> None:
         hint = f"the update is not scaled: multiply B(A x) by alpha / rank (here {ALPHA:g} / {RANK} = {ALPHA / RANK:g})"
     elif abs(ratio - ALPHA) < 1e-4:
         hint = f"the update is scaled by alpha: the scaling is alpha / rank (here {ALPHA / RANK:g}, not {ALPHA:g})"
+    elif abs(ratio - RANK / ALPHA) < 1e-4:
+        hint = (f"the scaling is inverted: the update is multiplied by {RANK / ALPHA:g} = rank / alpha"
+                + (" (or 1 / rank, alpha left out)" if abs(1 / RANK - RANK / ALPHA) < 1e-9 else "")
+                + f"; it is alpha / rank = {ALPHA / RANK:g}: a larger alpha makes the adapters' update larger")
     else:
         hint = ("y = base(x) + (alpha / rank) * x Aᵀ Bᵀ, e.g. self.base(x) + F.linear(F.linear(x, self.lora_A), "
                 "self.lora_B) * self.scaling")

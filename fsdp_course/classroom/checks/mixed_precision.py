@@ -118,9 +118,8 @@ def check_found_inf(fn: Callable[[RankContext, list[torch.Tensor], float], Any],
             where = f"world size {n}, {case}"
             flags = [_as_bool(check, f"{where}, rank {r}", r, flag) for r, (flag, _) in enumerate(per_rank)]
             _judge_flags(check, where, n, plant, flags, expected)
-            if plant is None:
-                for rank, (_, got) in enumerate(per_rank):
-                    _compare_shards(check, f"{where}, rank {rank}", n, rank, got, shards[rank], reference)
+            for rank, (_, got) in enumerate(per_rank):  # unscaled in place whatever was found, as torch's kernel
+                _compare_shards(check, f"{where}, rank {rank}", n, rank, got, shards[rank], reference, found=expected)
     print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
     print("  every rank unscales its shards as torch's kernel does on the full gradients, and every rank skips when "
           "any one rank holds an inf or a NaN")
@@ -161,13 +160,18 @@ def _who(ranks: list[int]) -> str:
 
 
 def _compare_shards(check: str, where: str, n: int, rank: int, got: list[torch.Tensor],
-                    before: list[torch.Tensor], reference: list[torch.Tensor]) -> None:
+                    before: list[torch.Tensor], reference: list[torch.Tensor], found: bool = False) -> None:
     for i, (g, scaled, full) in enumerate(zip(got, before, reference, strict=True)):
         expected = full.chunk(n)[rank]
-        if close(g, expected, tol=1e-6):
+        finite = torch.isfinite(expected)  # where an inf or NaN was planted, it stays one: compare the rest
+        if g.shape == expected.shape and torch.equal(finite, torch.isfinite(g)) and close(g[finite], expected[finite],
+                                                                                          tol=1e-6):
             continue
-        ratio = scale_ratio(g, expected, rtol=1e-6)
-        if torch.equal(g, scaled):
+        ratio = scale_ratio(g[finite], expected[finite], rtol=1e-6) if g.shape == expected.shape else None
+        if found and torch.equal(g[finite], scaled[finite]):
+            hint = ("the shards were left scaled because an inf was found: the contract is to divide every shard in "
+                    "place first, whatever the flag, as torch's kernel does (GradScaler unscales, then checks)")
+        elif torch.equal(g, scaled):
             hint = ("the shards were not unscaled: divide each one in place (g.div_(scale) or g.mul_(1 / scale)); "
                     "a new tensor (g = g / scale) leaves the optimizer's .grad as it was")
         elif ratio is not None and math.isclose(ratio, 1 / SCALE, rel_tol=1e-6):
@@ -228,8 +232,9 @@ def _update_hint(scale: float, found: bool, clean: int, got: tuple[float, Any], 
     if found:
         return "after a skipped step the count of clean steps starts again from 0"
     if expected[0] == scale * 2 and new_scale == scale:
-        return (f"clean_steps reached growth_interval ({clean + 1} clean steps in a row): the scale doubles now "
-                "(count this step first, then compare with growth_interval)")
+        return (f"this clean step is the {clean + 1}th in a row, which reaches growth_interval: the scale doubles now. "
+                "Count this step first, then compare the count with >= (or ==) growth_interval: comparing the old "
+                "count, or with >, doubles one step late")
     if expected[0] == scale and new_scale == scale * 2:
         return (f"only {clean + 1} clean steps in a row: the scale doubles when the count reaches growth_interval, "
                 "not before")
