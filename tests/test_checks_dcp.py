@@ -44,6 +44,16 @@ def flat_pieces(layout, flat, rank, world_size):  # each parameter's elements in
     return out
 
 
+def flat_shard_first(layout, flat, rank, world_size):  # flat cut into N pieces, each parameter read from this piece
+    shard = flat.chunk(world_size)[rank]
+    out = []
+    for info in layout.infos:
+        d0, row = info.shape[0], info.numel // info.shape[0]
+        k = max(0, min(-(-d0 // world_size), d0 - rank * -(-d0 // world_size)))
+        out.append(shard[: k * row].reshape(k, *info.shape[1:]).clone())
+    return out
+
+
 def flattened(layout, flat, rank, world_size):  # the right rows, flattened to 1-D
     return [c.reshape(-1) for c in CHECKPOINTS["dim0_chunks"](layout, flat, rank, world_size)]
 
@@ -108,6 +118,11 @@ def test_flat_shard_pieces_are_named(capsys: pytest.CaptureFixture[str]) -> None
     fails(check_dim0_chunks, flat_pieces, hint="keep the rows' shape: (17, *shape[1:])", capsys=capsys)
     fails(check_dim0_chunks, flat_pieces, world_sizes=(2, 3), capsys=capsys,
           hint="cut each parameter on dim 0 (rows), as fully_shard's Shard(0) does, not its flat elements")
+
+
+def test_a_flat_shard_instead_of_rows_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_dim0_chunks, flat_shard_first, world_sizes=(2,), capsys=capsys,
+          hint="If you cut flat into N equal pieces first and read from this rank's piece: that is FSDP's flat shard")
 
 
 def test_where_it_failed_is_named(capsys: pytest.CaptureFixture[str]) -> None:

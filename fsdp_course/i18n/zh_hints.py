@@ -455,6 +455,11 @@ HINTS: list[tuple[str, str]] = [
      "(0, *shape[1:]) 张量，例如 p[:0]，或者自己计算行范围"),
     (r"^keep the rows' shape: \((\d+), \*shape\[1:\]\)", r"保持行的形状：(\1, *shape[1:])，而不是一串展平的元素"),
     (r"^these are flat elements (\d+)-(\d+): you ignored info\.offset: '([^']+)' starts at flat element (\d+), "
+     r"and this rank's rows of it are flat elements (\d+)-(\d+) .*If you cut flat into N equal pieces first",
+     r"这些是展平元素 \1-\2：你忽略了 info.offset：'\3' 从展平元素 \4 开始，这个 rank 的那几行是展平元素 \5-\6"
+     "（layout.unflatten(flat) 会在每个参数的偏移处把它切出来）。如果你先把 flat 切成 N 等份、再从本 rank 的那一份里读取："
+     "那是第 5 课中 FSDP 的展平分片，而 Shard(0) 是把每个参数按它自己的行来切"),
+    (r"^these are flat elements (\d+)-(\d+): you ignored info\.offset: '([^']+)' starts at flat element (\d+), "
      r"and this rank's rows of it are flat elements (\d+)-(\d+)",
      r"这些是展平元素 \1-\2：你忽略了 info.offset：'\3' 从展平元素 \4 开始，这个 rank 的那几行是展平元素 \5-\6"
      "（layout.unflatten(flat) 按偏移切出每个参数）"),

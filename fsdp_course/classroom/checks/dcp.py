@@ -102,9 +102,12 @@ def _taken_from(layout: FlatParamLayout, flat: torch.Tensor, info: Any, got: tor
     start, end = info.offset + expected_rows.start * row, info.offset + expected_rows.stop * row - 1
     taken = f"these are flat elements {first}-{last}"
     if info.offset and first == start - info.offset:
+        shard = (" If you cut flat into N equal pieces first and read from this rank's piece: that is FSDP's flat shard"
+                 " (lesson 05), and Shard(0) cuts each parameter on its own rows instead."
+                 if layout.world_size > 1 else "")
         return (f"{taken}: you ignored info.offset: '{info.name}' starts at flat element {info.offset}, and this "
                 f"rank's rows of it are flat elements {start}-{end} (layout.unflatten(flat) cuts each parameter at its "
-                "offset)")
+                f"offset).{shard}")
     return f"{taken}, this rank's rows of '{info.name}' are flat elements {start}-{end}"
 
 
