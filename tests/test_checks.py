@@ -106,10 +106,16 @@ def test_exception_report_points_into_the_learners_code(capsys: pytest.CaptureFi
     assert "simulate.py" not in out  # library frames are left out
 
 
-def test_stub_reports_not_implemented(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(NotImplementedError, match="stub is not implemented yet"):
+def test_stub_reports_not_implemented(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(NotImplementedError, match="stub is not implemented yet") as info:
         check_all_reduce(stub)
     assert "FAILED" not in capsys.readouterr().out
+    assert not any("提示" in line for line in info.value._render_traceback_())
+    monkeypatch.setenv("FSDP_COURSE_LANG", "zh")  # a Chinese kernel: the Chinese below the English
+    with pytest.raises(NotImplementedError) as info:
+        check_all_reduce(stub)
+    assert "提示：stub 还没有实现：把它所在单元格里的 `raise NotImplementedError()` 换成你的代码" in "\n".join(
+        info.value._render_traceback_())
 
 
 def test_bad_arguments() -> None:

@@ -155,12 +155,18 @@ def format_tensor(t: torch.Tensor, limit: int = 16) -> str:
     return f"[{', '.join(shown)}{more}] shape {tuple(t.shape)}"
 
 
+STUB = ("{name} is not implemented yet: replace `raise NotImplementedError()` in its cell with your code, run that "
+        "cell, then run this one again",
+        "{name} 还没有实现：把它所在单元格里的 `raise NotImplementedError()` 换成你的代码，"
+        "运行那个单元格，再运行这个单元格")
+
+
 def not_implemented(name: str) -> NotImplementedError:
-    """The one short error of a function still at its stub; IPython shows it without the checker's frames."""
-    exc = NotImplementedError(
-        f"{name} is not implemented yet: replace `raise NotImplementedError()` in its cell with your code, "
-        "run that cell, then run this one again")
-    exc._render_traceback_ = lambda: render_for_ipython(exc, f"NotImplementedError: {exc}")  # type: ignore[attr-defined]
+    """The one short error of a function still at its stub; IPython shows it without the checker's frames, and in
+    Chinese (`fsdp_course.i18n.language()`) with its Chinese below it, as a checker's report."""
+    exc = NotImplementedError(STUB[0].format(name=name))
+    shown = f"NotImplementedError: {exc}" + (f"\n提示：{STUB[1].format(name=name)}" if language() == "zh" else "")
+    exc._render_traceback_ = lambda: render_for_ipython(exc, shown)  # type: ignore[attr-defined]
     return exc
 
 
