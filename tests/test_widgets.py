@@ -123,3 +123,4 @@ def test_the_calculator_speaks_chinese_in_a_chinese_kernel(monkeypatch):
     english = {w for s in shown for w in re.findall(r"[A-Za-z]{3,}", s)} - names
     assert not english, f"English left in the Chinese calculator: {sorted(english)}"
     assert "每个 rank" in shown[-1] and "参数量" in shown[0]
+    assert repr(calc).startswith("ZeroCalculator: ZeRO-3 (16Ψ/N), Ψ = 1.00 B parameters"), "text/plain stays English"

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,8 +45,10 @@ TEXT = {
 _LINK = re.compile(r"(?<!!)\[([^\]\n]*)\]\(([^)\s]+)\)")
 
 
+@cache
 def pages(lang: str) -> dict[Path, str]:
-    """{notebook or doc in the repository: its path in the staged site of `lang`}."""
+    """{notebook or doc in the repository: its path in the staged site of `lang`} (read once per build: every link
+    of every page is resolved against it)."""
     sub = "" if lang == "en" else "zh/"
     found = {p: f"lessons/{p.name}" for p in sorted((ROOT / "lessons" / sub).glob("*.ipynb"))}
     found |= {p: f"exercises/{p.name}" for p in sorted((ROOT / "exercises" / sub).glob("*.ipynb"))}

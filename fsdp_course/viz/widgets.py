@@ -180,12 +180,13 @@ class ZeroCalculator(widgets.VBox):
         return self
 
     # ------------------------------------------------------------ output
-    def summary(self) -> str:
-        """One plain line: stage, formula, Psi, N, optimizer and the bytes per rank."""
-        s = self.stage_buttons.value
-        return text("summary", self.lang, stage=STAGES[s],
-                    formula=zero_formula_text(s, self.optimizer_buttons.value, self.bytes_per_param),
-                    psi=format_count(self.numel), n=self.world_slider.value, optimizer=self.optimizer_buttons.label,
+    def summary(self, lang: str = "en") -> str:
+        """One plain line: stage, formula, Psi, N, optimizer and the bytes per rank. English by default: it is also
+        the calculator's text/plain, a saved output that the Chinese edition copies as it is; the readout a learner
+        sees is in the calculator's language."""
+        s, opt = self.stage_buttons.value, self.optimizer_buttons.value
+        return text("summary", lang, stage=STAGES[s], formula=zero_formula_text(s, opt, self.bytes_per_param),
+                    psi=format_count(self.numel), n=self.world_slider.value, optimizer=text(opt, lang),
                     bytes=format_bytes(self.bytes_per_rank()["total"]))
 
     def readout_text(self) -> str:
@@ -203,7 +204,7 @@ class ZeroCalculator(widgets.VBox):
         if self._quiet:
             return
         f = self.bytes_per_rank()
-        lines = [f"<b>{self.summary()}</b>"]
+        lines = [f"<b>{self.summary(self.lang)}</b>"]
         parts = [f"{text('part_' + c, self.lang)} {format_bytes(f[c])}"
                  for c in ("params", "grads", "optimizer", "gathered") if f[c]]
         if parts:

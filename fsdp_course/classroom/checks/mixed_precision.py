@@ -164,14 +164,15 @@ def _compare_shards(check: str, where: str, n: int, rank: int, got: list[torch.T
     for i, (g, scaled, full) in enumerate(zip(got, before, reference, strict=True)):
         expected = full.chunk(n)[rank]
         finite = torch.isfinite(expected)  # where an inf or NaN was planted, it stays one: compare the rest
-        if g.shape == expected.shape and torch.equal(finite, torch.isfinite(g)) and close(g[finite], expected[finite],
-                                                                                          tol=1e-6):
+        same_shape = tuple(g.shape) == tuple(expected.shape)
+        if same_shape and torch.equal(finite, torch.isfinite(g)) and close(g[finite], expected[finite], tol=1e-6):
             continue
-        ratio = scale_ratio(g[finite], expected[finite], rtol=1e-6) if g.shape == expected.shape else None
-        if found and torch.equal(g[finite], scaled[finite]):
+        untouched = same_shape and torch.equal(g[finite], scaled[finite])
+        ratio = scale_ratio(g[finite], expected[finite], rtol=1e-6) if same_shape else None
+        if untouched and found:
             hint = ("the shards were left scaled because an inf was found: the contract is to divide every shard in "
                     "place first, whatever the flag, as torch's kernel does (GradScaler unscales, then checks)")
-        elif torch.equal(g, scaled):
+        elif untouched:
             hint = ("the shards were not unscaled: divide each one in place (g.div_(scale) or g.mul_(1 / scale)); "
                     "a new tensor (g = g / scale) leaves the optimizer's .grad as it was")
         elif ratio is not None and math.isclose(ratio, 1 / SCALE, rel_tol=1e-6):
@@ -180,9 +181,10 @@ def _compare_shards(check: str, where: str, n: int, rank: int, got: list[torch.T
             hint = "multiplied by the scale: unscaling divides by it (the loss was multiplied before backward)"
         else:
             hint = "divide every shard of this rank by `scale`, in place, and nothing else"
-        CheckFailure(check, where, f"shard {i} after unscaling differs from one process's", hint,
-                     [f"expected {format_tensor(expected, 8)}", f"got      {format_tensor(g, 8)}",
-                      f"max difference {max_rel_diff(g, expected):.3g} relative"]).fail()
+        details = [f"expected {format_tensor(expected, 8)}", f"got      {format_tensor(g, 8)}"]
+        if same_shape:
+            details.append(f"max difference {max_rel_diff(g[finite], expected[finite]):.3g} relative (finite values)")
+        CheckFailure(check, where, f"shard {i} after unscaling differs from one process's", hint, details).fail()
 
 
 # -- the scale's update ----------------------------------------------------------------------------------
