@@ -34,7 +34,6 @@ from fsdp_course.viz import STAGES, format_bytes, plot_zero_bars, stage_index, z
 
 __all__ = ["BROWSER_SELECTORS", "CSS_CLASSES", "OPTIMIZERS", "ZeroCalculator", "format_count", "zero_calculator"]
 
-OPTIMIZERS = (("Adam", "adam"), ("SGD with momentum", "sgd_momentum"), ("SGD", "sgd"))
 # Every text the calculator shows, by id, in English and Chinese: the language is fsdp_course.i18n.language() at
 # the calculator's construction (a kernel started in a zh/ folder, or FSDP_COURSE_LANG=zh, speaks Chinese).
 TEXT = {
@@ -57,6 +56,8 @@ TEXT = {
     "elsewhere": ("The measured bars belong to Ψ = {psi}, N = {n}, {optimizer}: press the button to compare.",
                   "实测的柱属于 Ψ = {psi}，N = {n}，{optimizer}：按下上面的按钮即可对比。"),
 }
+
+OPTIMIZERS = tuple((TEXT[v][0], v) for v in ("adam", "sgd_momentum", "sgd"))  # (English label, value)
 
 
 def text(key: str, lang: str = "en", **fields: Any) -> str:
