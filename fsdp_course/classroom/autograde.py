@@ -226,177 +226,7 @@ def _sanitize(nb: NotebookNode, exercise: str, db_url: str, info: dict[str, Any]
 
 # -- the grader's own checks, and what tampering it notices ---------------------------------------------------
 GUARD_MIME = "application/vnd.fsdp-course.grader+json"  # the guard's reports: display data, removed before scoring
-CHECKS_PACKAGE = "fsdp_course.classroom.checks"
-
-# The first cell of every graded notebook (the grader's, run before any cell of the student's): it imports the
-# checkers twice, a public copy (what `from fsdp_course.classroom.checks import ...` finds) and a private one, kept
-# in a closure and in no sys.modules entry, that the rewritten checker cells call. It records what the checks rely
-# on (the course's modules and classes, torch's namespaces, builtins, IPython's hooks) to compare before and after
-# every checker cell. A change to the public copy or to the notebook's check_* names is flagged only (the private
-# copy decides the score); a change to anything the private copy uses is flagged and fails the check.
-GUARD_SOURCE = r'''
-def __GUARD_FACTORY__(preload, mime, checks_package):
-    import builtins, importlib, sys, types
-    from IPython import get_ipython
-    from IPython.display import publish_display_data
-
-    for name in preload:
-        importlib.import_module(name)
-    mine = lambda k: k == checks_package or k.startswith(checks_package + ".")
-    public = importlib.import_module(checks_package)
-    parent = importlib.import_module(checks_package.rpartition(".")[0])
-    shared = {k: sys.modules.pop(k) for k in list(sys.modules) if mine(k)}
-    try:
-        private = importlib.import_module(checks_package)
-    finally:
-        own = {k: sys.modules.pop(k) for k in list(sys.modules) if mine(k)}
-        sys.modules.update(shared)
-        setattr(parent, checks_package.rpartition(".")[2], public)
-    checkers = {n: getattr(private, n) for n in private.__all__ if n.startswith("check_")}
-    shell = get_ipython()
-    unwatched_builtins = {"input", "raw_input", "get_ipython", "exit", "quit", "display", "help", "copyright",
-                          "credits", "license", "_", "__", "___"}
-
-    def watched_objects():
-        """(label, kind, object): kind 'public' is flagged only, 'used' is flagged and fails the check."""
-        out = [(k, "public", m) for k, m in shared.items()] + [(k + " (the grader's copy)", "used", m)
-                                                               for k, m in own.items()]
-        for k, m in list(sys.modules.items()):
-            if m is not None and (k == "fsdp_course" or k.startswith("fsdp_course.")) and not mine(k):
-                out.append((k, "used", m))
-        for k in ("torch", "torch.distributed", "torch.distributed.distributed_c10d", "torch.nn.functional",
-                  "torch.testing", "math", "builtins"):
-            if k in sys.modules:
-                out.append((k, "used", sys.modules[k]))
-        classes = []
-        for label, kind, m in list(out):
-            classes += [(f"{label}.{n}", kind, c) for n, c in vars(m).items()
-                        if isinstance(c, type) and getattr(c, "__module__", None) == m.__name__]
-        import torch
-        classes += [(f"torch.{c.__name__}", "used", c) for c in (torch.Tensor, torch.nn.Module, torch.nn.Parameter)]
-        for obj in (shell, getattr(shell, "kernel", None)):
-            if obj is not None:
-                classes += [(f"{c.__module__}.{c.__qualname__}", "used", c) for c in type(obj).__mro__
-                            if c is not object]
-        return out + classes
-
-    def fingerprint(ns, skip=()):
-        table = {}
-        for k, v in list(ns.items()):
-            if k in skip or not (callable(v) or isinstance(v, (types.ModuleType, staticmethod, classmethod,
-                                                               property))):
-                continue
-            code = getattr(v, "__code__", None) if isinstance(v, types.FunctionType) else None
-            table[k] = (v, code, getattr(v, "__defaults__", None), getattr(v, "__kwdefaults__", None))
-        return table
-
-    def shell_state():
-        return {"an IPython custom exception handler (set_custom_exc)": (tuple(shell.custom_exceptions),
-                                                                         shell.CustomTB),
-                "IPython's input transformers": tuple(shell.input_transformers_cleanup)
-                + tuple(shell.input_transformers_post),
-                "IPython's AST transformers": tuple(shell.ast_transformers),
-                "IPython's event callbacks": tuple((e, tuple(c)) for e, c in shell.events.callbacks.items()),
-                "sys.excepthook": sys.excepthook,
-                "the IPython shell's methods": methods(shell),
-                "the kernel's methods": methods(getattr(shell, "kernel", shell))}
-
-    def methods(obj):
-        return tuple(sorted((k, id(v)) for k, v in vars(obj).items()
-                            if isinstance(v, types.MethodType | types.FunctionType)))
-
-    def snapshot():
-        return ({label: (kind, obj, fingerprint(vars(obj), unwatched_builtins if obj is builtins else ()))
-                 for label, kind, obj in watched_objects()},
-                {label.split(" ")[0]: obj for label, _, obj in watched_objects() if isinstance(obj, types.ModuleType)
-                 and not label.endswith("(the grader's copy)")},
-                shell_state())
-
-    baseline = snapshot()
-    torch_wraps = {("torch", "manual_seed")}  # importing torch._dynamo (2-3 s) wraps it, keeping it as __wrapped__
-    public_names = {n: getattr(public, n) for n in checkers}
-
-    def findings():
-        tables, modules, state = baseline
-        found = []  # (kind, what)
-        for label, (kind, obj, table) in tables.items():
-            ns = vars(obj)
-            for k, (v, code, defaults, kwdefaults) in table.items():
-                now = ns.get(k, found)
-                if now is found:
-                    found.append((kind, f"{label}.{k} was deleted"))
-                elif (label, k) in torch_wraps and getattr(now, "__wrapped__", None) is v:
-                    continue
-                elif now is not v:
-                    found.append((kind, f"{label}.{k} was replaced"))
-                elif code is not None and (now.__code__ is not code or now.__defaults__ is not defaults
-                                           or now.__kwdefaults__ is not kwdefaults):
-                    found.append((kind, f"{label}.{k}'s code was replaced"))
-        for name, m in modules.items():
-            if sys.modules.get(name) is not m:
-                found.append(("public" if mine(name) else "used", f"sys.modules[{name!r}] was replaced"))
-        for what, value in shell_state().items():
-            if value != state[what]:
-                found.append(("used", f"{what} changed"))
-        user_ns = shell.user_ns
-        for n, fn in checkers.items():
-            if n in user_ns and user_ns[n] is not fn and user_ns[n] is not public_names[n]:
-                found.append(("public", f"the notebook's namespace.{n} was rebound"))
-        return found
-
-    def report(grade_id, stage, nonce=None):
-        found = findings()
-        flags = summary(found)
-        publish_display_data({mime: {"grade_id": grade_id, "stage": stage, "nonce": nonce, "flags": flags},
-                              "text/plain": f"(grader: {len(flags)} findings)"})
-        used = summary([f for f in found if f[0] == "used"])
-        if used:
-            raise CheckingMachineryModified(
-                "this check is not scored: the notebook modified what the checker relies on ("
-                + "; ".join(used) + "). Your instructor sees this note.")
-
-    def summary(found):
-        """One line per module (or class) and kind of change: 'torch.equal was replaced', or
-        '3 names in torch were replaced: allclose, equal, isclose'."""
-        groups = {}
-        for _, what in found:
-            head, sep, tail = what.partition(" was ")
-            label, dot, name = head.rpartition(".") if sep and not head.startswith("sys.modules") else ("", "", head)
-            groups.setdefault((label, tail) if label else (what, ""), []).append(name)
-        lines = []
-        for (label, tail), names in sorted(groups.items()):
-            names = sorted(set(names))
-            if not tail:
-                lines.append(label)
-            elif len(names) == 1:
-                lines.append(f"the notebook's name {names[0]} was {tail}" if label == "the notebook's namespace"
-                             else f"{label}.{names[0]} was {tail}")
-            else:
-                shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-                lines.append(f"{len(names)} names in {label} were {tail}: {shown}")
-        return lines
-
-    class CheckingMachineryModified(Exception):
-        """A checker cell found the checking machinery modified: the cell scores 0, the note goes to the instructor."""
-
-    class Guard:
-        __slots__ = ()
-
-        def begin(self, grade_id):
-            report(grade_id, "begin")
-
-        def get(self, *names):
-            fns = tuple(checkers.get(n) or getattr(own[checks_package], n) for n in names)
-            return fns[0] if len(fns) == 1 else fns
-
-        def module(self, name):
-            return own[name]
-
-        def done(self, grade_id, nonce):
-            report(grade_id, "done", nonce)
-
-    return Guard()
-'''
+CHECKS_PACKAGE = "fsdp_course.classroom.checks"  # the guard itself is guard.py: the first cell runs its make_guard
 
 
 @dataclass
@@ -456,9 +286,11 @@ def _install_guard(nb: NotebookNode, graded: dict[str, float]) -> _Guard:
             guard.nonces[gid] = secrets.token_hex(16)
             guard.originals[gid] = cell.source
             cell.source = _rewrite_checker(cell.source, guard.name, gid, guard.nonces[gid])
-    factory = f"_grader_factory_{secrets.token_hex(6)}"
-    setup = (GUARD_SOURCE.replace("__GUARD_FACTORY__", factory)
-             + f"\n{guard.name} = {factory}({_preload()!r}, {GUARD_MIME!r}, {CHECKS_PACKAGE!r})\ndel {factory}\n")
+    from fsdp_course.classroom import guard as guard_module  # noqa: PLC0415
+
+    path = Path(guard_module.__file__)  # its text, run in a namespace of its own: nothing of it is importable there
+    setup = (f"{guard.name} = (lambda ns: exec(compile({path.read_text(encoding='utf-8')!r}, {str(path)!r}, 'exec'), "
+             f"ns) or ns['make_guard']({_preload()!r}, {GUARD_MIME!r}, {CHECKS_PACKAGE!r}))({{}})\n")
     nb.cells.insert(0, nbformat.v4.new_code_cell(setup, metadata={"fsdp_course_grader": True}))
     return guard
 
