@@ -137,7 +137,7 @@ def test_a_truncated_file_fails_clearly(results: dict[str, Any]) -> None:
     err = errors(results, "truncated")[0]
     assert "is damaged: __0_0.distcp is " in err["message"]
     assert "(truncated). An interrupted save or copy? Copy the checkpoint again or save it again" in err["message"]
-    assert err["cause"] == "CheckpointException"  # DCP's own error, kept as __cause__
+    assert err["cause"] is None  # found from the checkpoint's metadata and file sizes, before DCP reads a byte
 
 
 def test_files_of_two_saves_or_swapped_files_are_named(results: dict[str, Any]) -> None:
@@ -160,12 +160,11 @@ def test_a_failed_load_leaves_a_fresh_optimizer_fresh(results: dict[str, Any]) -
 def test_a_checkpoint_without_a_parameter_fails_clearly(results: dict[str, Any]) -> None:
     err = errors(results, "missing_parameter")[0]
     assert "lacks parameters or buffers this model has: ['extra'] (1)" in err["message"]
-    assert err["cause"] == "CheckpointException" and "Missing key in checkpoint state_dict: model.extra" in \
-        err["cause_message"]
+    assert err["cause"] is None  # from the metadata, not from DCP's message
 
 
 def test_a_checkpoint_with_an_extra_parameter_fails_clearly(results: dict[str, Any]) -> None:
-    # DCP loads only the keys it is asked for and would ignore 'extra': the check is ours, before loading
+    # DCP loads only the keys it is asked for and would ignore 'extra'
     err = errors(results, "extra_parameter")[0]
     assert "holds parameters or buffers this model does not have: ['extra'] (1)" in err["message"]
     assert err["cause"] is None
@@ -176,14 +175,14 @@ def test_a_checkpoint_of_another_model_size_fails_clearly(results: dict[str, Any
     assert "was saved from a model of other sizes (embedding.weight: saved (17, 12), this model (17, 8)" in \
         err["message"]
     assert "load it into a model built with the same sizes" in err["message"]
-    assert err["cause"] == "CheckpointException" and "Size mismatch" in err["cause_message"]
+    assert err["cause"] is None
 
 
 def test_another_optimizer_fails_clearly(results: dict[str, Any]) -> None:
     err = errors(results, "sgd_from_adamw")[0]
     assert "lacks optimizer state this optimizer needs" in err["message"]
     assert "its state has the keys ['exp_avg', 'exp_avg_sq', 'step']" in err["message"]
-    assert err["cause"] == "CheckpointException"
+    assert err["cause"] is None
 
 
 def test_a_step_that_differs_inside_one_flat_parameter_fails_clearly(results: dict[str, Any]) -> None:

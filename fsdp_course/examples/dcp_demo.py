@@ -156,7 +156,7 @@ def load_phase(world: RankContext, ckpt: str) -> dict[str, Any]:
         try:
             dcp.load(model, opt, f"{ckpt}/{case}")
         except dcp.CheckpointError as exc:
-            report[case] = {"message": str(exc), "cause": type(exc.__cause__).__name__,
+            report[case] = {"message": str(exc), "cause": type(exc.__cause__).__name__ if exc.__cause__ else None,
                             "unchanged": all(torch.equal(v, before[k]) for k, v in model.full_state_dict().items())}
     return report
 

@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as torch_dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -385,24 +384,6 @@ def _what_else(path: str, here: str) -> str:
     return f"Found {found}; save one with save(fsdp, optimizer, path) or torch.distributed.checkpoint.save."
 
 
-def _check_extra_keys(path: str, metadata: Metadata, target: dict[str, Any]) -> None:
-    """After DCP loaded what this model needs: the checkpoint must hold nothing this model lacks. DCP reads only
-    the keys it is asked for, so a parameter of the saved model that this one does not have would be dropped
-    without a word."""
-    wanted = {k[1:] for k in _flat_keys(target, "")}  # drop the leading "."
-    for top in target:
-        extra = sorted(k for k in metadata.state_dict_metadata if k.startswith(f"{top}.") and k not in wanted)
-        if extra and top == MODEL_KEY:
-            raise CheckpointError(
-                f"the checkpoint in {path} holds parameters or buffers this model does not have: "
-                f"{_names(extra, top)}. It was saved from another model (or with other names): load it into that "
-                "model, or rename its keys first")
-        if extra and top == OPTIM_KEY:
-            raise CheckpointError(
-                f"the checkpoint in {path} holds optimizer state this optimizer does not have: {_names(extra, top)}. "
-                "Build the optimizer that saved it (same type, options and parameter groups)")
-
-
 def _wrong_shapes(metadata: Metadata, target: dict[str, Any]) -> list[str]:
     """Every parameter whose saved global shape differs from this model's."""
     saved = metadata.state_dict_metadata
@@ -419,33 +400,46 @@ def _names(keys: list[str], top: str) -> str:
     return f"{names[:6]}{' ...' if len(names) > 6 else ''} ({len(names)})"
 
 
-def _explain(exc: BaseException, path: str, metadata: Metadata, target: dict[str, Any]) -> str:
-    """What a DCP load error means here: a missing key, a shape, a damaged file; and what to do."""
-    text = str(exc)
+def _check_against_metadata(path: str, metadata: Metadata, target: dict[str, Any]) -> None:
+    """Before anything is read: the checkpoint's own metadata must hold exactly what this model (and optimizer)
+    needs, at this model's sizes, in files as long as it says. DCP reads only the keys it is asked for, so a key this
+    model lacks would otherwise be dropped without a word. Any other error of DCP's load passes unchanged."""
     saved = metadata.state_dict_metadata
-    wanted = {k[1:] for k in _flat_keys(target, "")}
+    wanted = {k[1:] for k in _flat_keys(target, "")}  # drop the leading "."
     missing = sorted(wanted - set(saved))
-    if "Missing key in checkpoint" in text and missing:
-        model = [k for k in missing if k.startswith(f"{MODEL_KEY}.")]
-        if model:
-            return (f"the checkpoint in {path} lacks parameters or buffers this model has: {_names(model, MODEL_KEY)}"
-                    ". It was saved from another model (or with other names): load it into the model that saved it")
-        if not any(k.startswith(f"{OPTIM_KEY}.") for k in saved):
-            return (f"the checkpoint in {path} holds no optimizer state: load it with optimizer=None, or save "
-                    "the optimizer with it")
+    model = [k for k in missing if k.startswith(f"{MODEL_KEY}.")]
+    if model:
+        raise CheckpointError(f"the checkpoint in {path} lacks parameters or buffers this model has: "
+                              f"{_names(model, MODEL_KEY)}. It was saved from another model (or with other names): "
+                              "load it into the model that saved it")
+    if missing and not any(k.startswith(f"{OPTIM_KEY}.") for k in saved):
+        raise CheckpointError(f"the checkpoint in {path} holds no optimizer state: load it with optimizer=None, or "
+                              "save the optimizer with it")
+    if missing:
         saved_keys = sorted({k.rsplit(".", 1)[1] for k in saved if k.startswith(f"{OPTIM_KEY}.state.")})
-        return (f"the checkpoint in {path} lacks optimizer state this optimizer needs: {_names(missing, OPTIM_KEY)}; "
-                f"its state has the keys {saved_keys}. Build the optimizer that saved it (same type and options)")
+        raise CheckpointError(f"the checkpoint in {path} lacks optimizer state this optimizer needs: "
+                              f"{_names(missing, OPTIM_KEY)}; its state has the keys {saved_keys}. Build the optimizer "
+                              "that saved it (same type and options)")
+    for top in target:
+        extra = sorted(k for k in saved if k.startswith(f"{top}.") and k not in wanted)
+        if extra and top == MODEL_KEY:
+            raise CheckpointError(
+                f"the checkpoint in {path} holds parameters or buffers this model does not have: "
+                f"{_names(extra, top)}. It was saved from another model (or with other names): load it into that "
+                "model, or rename its keys first")
+        if extra and top == OPTIM_KEY:
+            raise CheckpointError(
+                f"the checkpoint in {path} holds optimizer state this optimizer does not have: {_names(extra, top)}. "
+                "Build the optimizer that saved it (same type, options and parameter groups)")
     wrong = _wrong_shapes(metadata, target)
-    if "Size mismatch" in text and wrong:
-        return (f"the checkpoint in {path} was saved from a model of other sizes ({'; '.join(wrong[:4])}"
-                f"{' ...' if len(wrong) > 4 else ''}): load it into a model built with the same sizes")
+    if wrong:
+        raise CheckpointError(f"the checkpoint in {path} was saved from a model of other sizes "
+                              f"({'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}): load it into a model "
+                              "built with the same sizes")
     damaged = _damaged_files(path, metadata)
     if damaged:
-        return (f"the checkpoint in {path} is damaged: {'; '.join(damaged)}. An interrupted save or copy? Copy the "
-                "checkpoint again or save it again")
-    last = text.strip().splitlines()[-1] if text.strip() else type(exc).__name__
-    return f"torch.distributed.checkpoint could not load {path}: {last}"
+        raise CheckpointError(f"the checkpoint in {path} is damaged: {'; '.join(damaged)}. An interrupted save or "
+                              "copy? Copy the checkpoint again or save it again")
 
 
 def _damaged_files(path: str, metadata: Metadata) -> list[str]:
@@ -513,11 +507,8 @@ def load(fsdp: FSDP, optimizer: torch.optim.Optimizer | None, path: str | os.Pat
     fresh = optimizer is not None and not optimizer.state  # _target gives it a zero state; undone on failure
     try:
         target = _target(fsdp, optimizer, mesh)
-        try:
-            torch_dcp.load(target, checkpoint_id=path, process_group=fsdp.ctx.group)
-        except (CheckpointException, Exception) as exc:  # CheckpointException is a BaseException
-            raise CheckpointError(_explain(exc, path, metadata, target)) from exc
-        _check_extra_keys(path, metadata, target)  # all checks before anything is written
+        _check_against_metadata(path, metadata, target)  # what does not fit is named before anything is read
+        torch_dcp.load(target, checkpoint_id=path, process_group=fsdp.ctx.group)
         groups = _check_optimizer(fsdp, optimizer, target[OPTIM_KEY], path) if optimizer is not None else []
     except BaseException:
         if fresh:
