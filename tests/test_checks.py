@@ -131,17 +131,17 @@ def test_compare_tensor_hints() -> None:
     expected = torch.tensor([4.0, 8.0, 12.0])
     assert compare_tensor(expected, expected.clone(), world_size=4, rank=0) is None
     problem, hint, details = compare_tensor(expected, expected * 4, world_size=4, rank=2)
-    assert problem == "rank 2: values differ" and "4x too large" in hint
+    assert problem.en == "rank 2: values differ" and "4x too large" in hint.en
     assert "max difference 36 at flat index 2" in details
     _, hint, _ = compare_tensor(expected, torch.tensor([4.0, 8.0, 12.0, 0.0]), world_size=4, rank=1,
                                 padded_numel=4)
-    assert "did you remove the padding?" in hint
+    assert "did you remove the padding?" in hint.en
     _, hint, _ = compare_tensor(expected, torch.tensor([4.0]), world_size=3, rank=1, padded_numel=3)
-    assert "that is one chunk" in hint
+    assert "that is one chunk" in hint.en
     _, hint, _ = compare_tensor(expected, expected.double(), world_size=2, rank=0)
-    assert "keep the input's dtype" in hint
+    assert "keep the input's dtype" in hint.en
     problem, _, _ = compare_tensor(expected, None, world_size=2, rank=1)
-    assert problem == "rank 1 returned NoneType, not a tensor"
+    assert problem.en == "rank 1 returned NoneType, not a tensor"
 
 
 def test_format_tensor() -> None:
@@ -373,4 +373,4 @@ def test_chunk_diagnosis_cannot_solve_chunks_smaller_than_the_world() -> None:
     lines, hint = chunk_diagnosis([torch.tensor([1.0, 2.0, 4.0, 3.0]), torch.tensor([3.0, 5.0, 1.0, 1.0])],
                                   torch.tensor([7.0, 12.0, 5.0, 4.0]), 2)
     assert lines == ["chunk 0 (flat elements 0..1) has rank 1's contribution twice"]
-    assert "added twice" in hint
+    assert "added twice" in hint.en

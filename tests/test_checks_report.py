@@ -20,7 +20,7 @@ from reference_solutions import ROOT
 
 from fsdp_course import RankContext
 from fsdp_course.classroom.checks import CheckFailure, check_all_reduce
-from fsdp_course.classroom.checks._common import CheckFailed, render_for_ipython
+from fsdp_course.classroom.checks._common import CheckFailed, T, render_for_ipython
 from fsdp_course.runtime.ports import kernel_transport
 
 PLANTED = '''\
@@ -124,13 +124,14 @@ def test_plain_python_prints_the_report_once_and_raises_a_one_line_assertion(
 
 def test_render_keeps_only_the_learners_frames() -> None:
     def learner() -> None:
-        CheckFailure("check_x", "world size 2", "rank 0: values differ", "sum, do not average").fail()
+        CheckFailure("check_x", "world size 2", T("values_differ", rank=0), T("read_traceback")).fail()
 
     with pytest.raises(CheckFailed) as info:
         learner()
     lines = info.value._render_traceback_()
     text = "\n".join(lines)
     assert "in learner" not in text and "CheckFailure(\"check_x\"" in text  # the learner's line, shown as code
-    assert text.endswith("check_x FAILED at world size 2\n  rank 0: values differ\n  hint: sum, do not average")
+    assert text.endswith("check_x FAILED at world size 2\n  rank 0: values differ\n  hint: read the end of the "
+                         "traceback above: the last line of your code in it is where it went wrong")
     assert "_common.py" not in text
     assert render_for_ipython(ValueError("no traceback"), "report") == ["report"]

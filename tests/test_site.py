@@ -7,6 +7,7 @@ where Debian's chromium is missing (as the browser test is)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 from browser import CHROMIUM, CHROMIUM_ARGS, chromium_missing_reason
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / ".browser-screenshots"
@@ -174,4 +176,6 @@ def test_search_finds_pages_in_each_language(site: Path, browser_page, lang: str
     page.goto(f"{page.base}{lang}/search.html?q={query}", wait_until="load")
     found = page.locator("#search-results ul.search li")
     found.first.wait_for(timeout=20_000)
+    with contextlib.suppress(PlaywrightTimeout):  # the list fills one page at a time: wait for five, or the end
+        page.wait_for_function("document.querySelectorAll('#search-results ul.search li').length >= 5", timeout=20_000)
     assert found.count() >= 5, f"{lang}: {found.count()} pages found for {query!r}"

@@ -1,4 +1,4 @@
-"""The language the course speaks (English or Chinese), and the Chinese of its figures and checker hints.
+"""The language the course speaks (English or Chinese), and the Chinese of its figures.
 
 `language()` is "zh" when `FSDP_COURSE_LANG` says so (`zh`, `zh_CN`, ...), or, with the variable unset, when the
 kernel runs in a Chinese notebook's folder (`lessons/zh/`, `exercises/zh/`: Jupyter starts a notebook's kernel
@@ -8,7 +8,7 @@ In Chinese, `import fsdp_course` makes every matplotlib figure translate its tex
 labels, legends, annotations; `fsdp_course/i18n/zh.py` holds the strings and patterns), in a CJK font found on the
 machine. Without one, figures keep their English labels and one warning says which package to install. Code is
 never translated: the Chinese notebooks run the English code cells unchanged, which is why the translation happens
-at draw time. Checkers add the Chinese of their most common hints below the English ones (`hint_zh`).
+at draw time. What checkers say is catalogued by id with its Chinese beside the English (`i18n/messages.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from functools import cache, wraps
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cjk_font", "hint_zh", "language", "translate", "use_chinese_figures"]
+__all__ = ["cjk_font", "language", "translate", "use_chinese_figures"]
 
 LANGUAGES = ("en", "zh")
 # CJK fonts that a Debian package, macOS, Windows or a PyPI package provides, in order of preference
@@ -81,22 +81,6 @@ def translate(text: str) -> str | None:
         done = [translate(line) if line.strip() else line for line in lines]
         if any(d is not None for d in done):
             return "\n".join(d if d is not None else line for d, line in zip(done, lines, strict=True))
-    return None
-
-
-@cache
-def _hint_patterns() -> list[tuple[re.Pattern[str], str]]:
-    from fsdp_course.i18n import zh_hints
-
-    return [(re.compile(pattern, re.DOTALL), template) for pattern, template in zh_hints.HINTS]
-
-
-def hint_zh(text: str) -> str | None:
-    """The Chinese of a checker's hint or problem line (`zh_hints.HINTS`: patterns searched in it), or None."""
-    for pattern, template in _hint_patterns():
-        m = pattern.search(text)
-        if m:
-            return m.expand(template)
     return None
 
 

@@ -1,4 +1,4 @@
-"""The Chinese of the course's figure texts (see `fsdp_course.i18n`; checker hints: `zh_hints.py`).
+"""The Chinese of the course's figure texts (see `fsdp_course.i18n`; checker messages: `messages.py`).
 
 TEXT: exact English figure text -> Chinese. PATTERNS: (regular expression matching a whole figure text, template
 with \\1, \\2 ... for its groups). Vocabulary: the article's (分片, 全聚合 AllGather, 归约分散 ReduceScatter, ...).

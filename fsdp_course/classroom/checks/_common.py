@@ -36,45 +36,106 @@ from typing import Any, NoReturn, TextIO
 import torch
 
 from fsdp_course.fsdp.flat_param import padded_numel
-from fsdp_course.i18n import hint_zh, language
+from fsdp_course.i18n import language
+from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.monitor import CollectiveHang, CollectiveMismatch
 from fsdp_course.runtime.simulate import RankError, run_ranks
 
-__all__ = ["CHECK_TIMEOUT", "CheckFailed", "CheckFailure", "call_learner", "compare_tensor", "exception_hint",
-           "format_tensor", "headed_output", "in_ipython", "learner_frames", "not_implemented", "padded_flat_grads",
-           "render_for_ipython", "require_callable", "require_world_sizes", "run_checked"]
+__all__ = ["CHECK_TIMEOUT", "CheckFailed", "CheckFailure", "Message", "T", "call_learner", "compare_tensor",
+           "exception_hint", "format_tensor", "headed_output", "in_ipython", "learner_frames", "not_implemented",
+           "padded_flat_grads", "render_for_ipython", "require_callable", "require_world_sizes", "run_checked"]
 
 LIBRARY_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # .../fsdp_course/
 _NOT_LEARNER = tuple({LIBRARY_DIR, *(os.path.abspath(sysconfig.get_paths()[k]) + os.sep
                                      for k in ("stdlib", "purelib", "platlib"))})  # this library, torch, Python
 CHECK_TIMEOUT = 10.0  # seconds per run_ranks call: a correct solution needs well under one
 
+T = catalogue("common", {
+    "raised": ("rank {rank} raised {kind}: {text}", "rank {rank} 抛出了 {kind}：{text}"),
+    "learner_raised": ("{name} raised {kind}: {text}", "{name} 抛出了 {kind}：{text}"),
+    "stub": ("{name} is not implemented yet: replace `raise NotImplementedError()` in its cell with your code, run "
+             "that cell, then run this one again",
+             "{name} 还没有实现：把它所在单元格里的 `raise NotImplementedError()` 换成你的代码，运行那个单元格，"
+             "再运行这个单元格"),
+    "not_tensor": ("rank {rank} returned {kind}, not a tensor", "rank {rank} 返回了 {kind}，不是张量"),
+    "return_result": ("return the result tensor at the end of your function", "在函数末尾返回结果张量"),
+    "shape_differs": ("rank {rank}: shape differs: got {got}, expected {expected}",
+                      "rank {rank}：形状不对：得到 {got}，应为 {expected}"),
+    "padding_left": ("shape differs: did you remove the padding? keep only the first tensor.numel() (here {numel}) "
+                     "elements of the gathered tensor, then reshape to tensor.shape",
+                     "形状不对：去掉填充了吗？只保留全聚合结果的前 tensor.numel()（这里是 {numel}）个元素，"
+                     "再 reshape 成 tensor.shape"),
+    "one_chunk": ("that is one chunk: all_gather the reduced chunks so every rank holds all of them",
+                  "这只是一个分块：对归约后的分块做 all_gather，让每个 rank 都拿到全部分块"),
+    "reshape": ("same number of elements, different shape: reshape to the input's shape (tensor.shape)",
+                "元素个数相同，形状不同：reshape 成输入的形状（tensor.shape）"),
+    "pad_and_cut": ("shape differs: pad the flattened input, and cut the padding off the result",
+                    "形状不对：先填充展平后的输入，再从结果上去掉填充"),
+    "dtype_differs": ("rank {rank}: dtype differs: got {got}, expected {expected}",
+                      "rank {rank}：dtype 不对：得到 {got}，应为 {expected}"),
+    "keep_dtype": ("keep the input's dtype: pad with tensor.new_zeros(...) rather than torch.zeros(...)",
+                   "保持输入的 dtype：用 tensor.new_zeros(...) 而不是 torch.zeros(...) 来填充"),
+    "values_differ": ("rank {rank}: values differ", "rank {rank}：数值不对"),
+    "first_difference": ("look at the first element that differs, and at which chunk (index // chunk size) it falls "
+                         "in", "看第一个不同的元素，以及它落在哪个分块里（index // 分块大小）"),
+    "too_small": ("rank {rank}'s result is {n}x too small: did you average (op='mean' or divide by the world size) "
+                  "instead of summing?",
+                  "rank {rank} 的结果只有应得值的 1/{n}：是不是求了平均（op='mean' 或除以 world size），而不是求和？"),
+    "too_large": ("rank {rank}'s result is {n}x too large: did you sum twice (e.g. an all_reduce on top of the "
+                  "reduce_scatter)?",
+                  "rank {rank} 的结果是应得值的 {n} 倍：是不是求和了两次（例如在 reduce_scatter 之后又做了一次 "
+                  "all_reduce）？"),
+    "divisible": ("reduce_scatter needs a length that divides by ctx.world_size: flatten the tensor and pad it with "
+                  "zeros to a multiple of the world size first",
+                  "reduce_scatter 要求长度能被 ctx.world_size 整除：先展平张量，再用零填充到 world size 的整数倍"),
+    "mismatch": ("the ranks made different calls (or used different shapes): every rank must call the same "
+                 "collectives, with the same shapes, in the same order",
+                 "各 rank 的调用不一致（或形状不同）：每个 rank 都必须以相同的顺序、相同的形状调用相同的集合通信"),
+    "skipped": ("some rank skipped a collective that the others called: every rank must make every call",
+                "有的 rank 跳过了其他 rank 调用的集合通信：每个 rank 都必须执行每一次调用"),
+    "gathered_padding": ("the gathered tensor still has the padding: keep only the first tensor.numel() elements, "
+                         "then reshape to tensor.shape",
+                         "全聚合得到的张量还带着填充：只保留前 tensor.numel() 个元素，再 reshape 成 tensor.shape"),
+    "hook_returns": ("a post-accumulate-grad hook must return None: average p.grad in place (ctx.all_reduce(p.grad, "
+                     "op='mean') works in place) inside a def that returns nothing, not a lambda that returns it",
+                     "post-accumulate-grad 钩子必须返回 None：在一个什么都不返回的 def 里原地平均 p.grad"
+                     "（ctx.all_reduce(p.grad, op='mean') 是原地操作），不要用会返回结果的 lambda"),
+    "flatten": ("flatten the tensor with tensor.reshape(-1) before the collectives",
+                "在集合通信之前用 tensor.reshape(-1) 展平张量"),
+    "read_traceback": ("read the end of the traceback above: the last line of your code in it is where it went wrong",
+                       "看上面 traceback 的末尾：其中属于你代码的最后一行，就是出错的地方"),
+})
+
 
 @dataclass
 class CheckFailure:
-    """What a checker found wrong, printed for the learner before the AssertionError."""
+    """What a checker found wrong, printed for the learner before the AssertionError. The problem and the hint are
+    catalogued Messages (`fsdp_course.i18n.messages`), so each has its Chinese."""
 
     check: str  # e.g. "check_all_reduce"
     where: str  # e.g. "world size 3, input shape (5,)"
-    problem: str  # one line: what differs
-    hint: str
+    problem: Message  # one line: what differs
+    hint: Message
     details: list[str] = field(default_factory=list)  # tensors, differences, traceback lines
+
+    def __post_init__(self) -> None:
+        for name in ("problem", "hint"):
+            if not isinstance(getattr(self, name), Message):
+                raise TypeError(f"CheckFailure's {name} must be a Message of a catalogue (fsdp_course.i18n.messages), "
+                                f"so that it has its Chinese; got {getattr(self, name)!r}")
 
     def report(self) -> str:
         """The report a learner reads. In Chinese (`fsdp_course.i18n.language()`), the problem and the hint are
-        followed by their Chinese where `fsdp_course/i18n/zh.py` has it; the English stays (it is what one
-        searches for)."""
+        followed by their Chinese; the English stays (it is what one searches for)."""
         chinese = language() == "zh"
-        problem_zh = hint_zh(self.problem) if chinese else None
-        lines = [f"{self.check} FAILED at {self.where}", f"  {self.problem}"]
-        if problem_zh:
-            lines.append(f"  问题：{problem_zh}")
+        lines = [f"{self.check} FAILED at {self.where}", f"  {self.problem.en}"]
+        if chinese:
+            lines.append(f"  问题：{self.problem.zh}")
         lines += [f"  {line}" for line in self.details]
-        lines.append(f"  hint: {self.hint}")
-        zh = hint_zh(self.hint) if chinese else None
-        if zh:
-            lines.append(f"  提示：{zh}")
+        lines.append(f"  hint: {self.hint.en}")
+        if chinese:
+            lines.append(f"  提示：{self.hint.zh}")
         return "\n".join(lines)
 
     def summary(self) -> str:
@@ -155,17 +216,12 @@ def format_tensor(t: torch.Tensor, limit: int = 16) -> str:
     return f"[{', '.join(shown)}{more}] shape {tuple(t.shape)}"
 
 
-STUB = ("{name} is not implemented yet: replace `raise NotImplementedError()` in its cell with your code, run that "
-        "cell, then run this one again",
-        "{name} 还没有实现：把它所在单元格里的 `raise NotImplementedError()` 换成你的代码，"
-        "运行那个单元格，再运行这个单元格")
-
-
 def not_implemented(name: str) -> NotImplementedError:
     """The one short error of a function still at its stub; IPython shows it without the checker's frames, and in
     Chinese (`fsdp_course.i18n.language()`) with its Chinese below it, as a checker's report."""
-    exc = NotImplementedError(STUB[0].format(name=name))
-    shown = f"NotImplementedError: {exc}" + (f"\n提示：{STUB[1].format(name=name)}" if language() == "zh" else "")
+    message = T("stub", name=name)
+    exc = NotImplementedError(message.en)
+    shown = f"NotImplementedError: {exc}" + (f"\n提示：{message.zh}" if language() == "zh" else "")
     exc._render_traceback_ = lambda: render_for_ipython(exc, shown)  # type: ignore[attr-defined]
     return exc
 
@@ -208,7 +264,7 @@ def _stub_name(exc: BaseException, default: str) -> str:
 
 
 def run_checked(check: str, name: str, fn: Callable[[RankContext], Any], world_size: int,
-                where: Callable[[int], str], hint_for: Callable[[BaseException], str],
+                where: Callable[[int], str], hint_for: Callable[[BaseException], Message],
                 timeout: float | None = None) -> list[Any]:
     """`run_ranks(fn, world_size)`, turning failures into a learner-facing report.
 
@@ -225,17 +281,18 @@ def run_checked(check: str, name: str, fn: Callable[[RankContext], Any], world_s
             raise not_implemented(_stub_name(failures[min(failures)], name)) from None
         rank = min(failures)
         exc = failures[rank]
-        first, *rest = f"rank {rank} raised {type(exc).__name__}: {exc}".splitlines()
+        first, *rest = str(exc).splitlines() or [""]
         others = sorted(set(failures) - {rank})
         details = list(rest)  # the rest of a multi-line message, e.g. each rank's call in a mismatch
         if others:
             details.append(f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too")
         details += learner_frames(exc)
-        CheckFailure(check, where(rank), first, hint_for(exc), details).fail()
+        CheckFailure(check, where(rank), T("raised", rank=rank, kind=type(exc).__name__, text=first), hint_for(exc),
+                     details).fail()
 
 
 def call_learner(check: str, name: str, fn: Callable[..., Any], *args: Any, where: str,
-                 hint_for: Callable[[BaseException], str] | None = None) -> Any:
+                 hint_for: Callable[[BaseException], Message] | None = None) -> Any:
     """`fn(*args)` in this thread, with the same reporting as `run_checked` (for pure functions)."""
     try:
         return fn(*args)
@@ -243,7 +300,8 @@ def call_learner(check: str, name: str, fn: Callable[..., Any], *args: Any, wher
         raise not_implemented(_stub_name(exc, name)) from None
     except Exception as exc:  # noqa: BLE001  (reported to the learner)
         hint = hint_for(exc) if hint_for is not None else exception_hint(exc)
-        CheckFailure(check, where, f"{name} raised {type(exc).__name__}: {exc}", hint, learner_frames(exc)).fail()
+        problem = T("learner_raised", name=name, kind=type(exc).__name__, text=str(exc))
+        CheckFailure(check, where, problem, hint, learner_frames(exc)).fail()
 
 
 def learner_frame_summaries(exc: BaseException) -> list[traceback.FrameSummary]:
@@ -257,31 +315,27 @@ def learner_frames(exc: BaseException) -> list[str]:
     return ["where, in your code:"] + [f"  {line}" for line in lines] if lines else []
 
 
-def exception_hint(exc: BaseException) -> str:
+def exception_hint(exc: BaseException) -> Message:
     """A hint for the exceptions every exercise can meet (collectives misused, shapes lost)."""
     text = str(exc)
     if "must divide by the world size" in text:
-        return ("reduce_scatter needs a length that divides by ctx.world_size: flatten the tensor and pad "
-                "it with zeros to a multiple of the world size first")
+        return T("divisible")
     if isinstance(exc, CollectiveMismatch):
-        return ("the ranks made different calls (or used different shapes): every rank must call the same "
-                "collectives, with the same shapes, in the same order")
+        return T("mismatch")
     if isinstance(exc, CollectiveHang):
-        return "some rank skipped a collective that the others called: every rank must make every call"
+        return T("skipped")
     if "is invalid for input of size" in text:
-        return ("the gathered tensor still has the padding: keep only the first tensor.numel() elements, "
-                "then reshape to tensor.shape")
+        return T("gathered_padding")
     if "post accumulate grad hooks should return None" in text:
-        return ("a post-accumulate-grad hook must return None: average p.grad in place (ctx.all_reduce(p.grad, "
-                "op='mean') works in place) inside a def that returns nothing, not a lambda that returns it")
+        return T("hook_returns")
     if "must have at least one dimension" in text:
-        return "flatten the tensor with tensor.reshape(-1) before the collectives"
-    return "read the end of the traceback above: the last line of your code in it is where it went wrong"
+        return T("flatten")
+    return T("read_traceback")
 
 
 def compare_tensor(expected: torch.Tensor, got: object, *, world_size: int, rank: int,
                    padded_numel: int | None = None, rtol: float = 1e-5,
-                   atol: float = 1e-6) -> tuple[str, str, list[str]] | None:
+                   atol: float = 1e-6) -> tuple[Message, Message, list[str]] | None:
     """None if `got` matches `expected`, else (problem, hint, detail lines) for a CheckFailure.
 
     The hints recognise the usual mistakes of a sharded collective: a result N times too small
@@ -290,40 +344,34 @@ def compare_tensor(expected: torch.Tensor, got: object, *, world_size: int, rank
     """
     n = world_size
     if not isinstance(got, torch.Tensor):
-        return (f"rank {rank} returned {type(got).__name__}, not a tensor",
-                "return the result tensor at the end of your function", [])
+        return T("not_tensor", rank=rank, kind=type(got).__name__), T("return_result"), []
     details = [f"expected {format_tensor(expected)}", f"got      {format_tensor(got)}"]
     if tuple(got.shape) != tuple(expected.shape):
-        problem = f"rank {rank}: shape differs: got {tuple(got.shape)}, expected {tuple(expected.shape)}"
+        problem = T("shape_differs", rank=rank, got=tuple(got.shape), expected=tuple(expected.shape))
         if padded_numel is not None and got.numel() == padded_numel != expected.numel():
-            hint = (f"shape differs: did you remove the padding? keep only the first tensor.numel() "
-                    f"(here {expected.numel()}) elements of the gathered tensor, then reshape to tensor.shape")
+            hint = T("padding_left", numel=expected.numel())
         elif padded_numel is not None and n > 1 and got.numel() == padded_numel // n:
-            hint = "that is one chunk: all_gather the reduced chunks so every rank holds all of them"
+            hint = T("one_chunk")
         elif got.numel() == expected.numel():
-            hint = "same number of elements, different shape: reshape to the input's shape (tensor.shape)"
+            hint = T("reshape")
         else:
-            hint = "shape differs: pad the flattened input, and cut the padding off the result"
+            hint = T("pad_and_cut")
         return problem, hint, details
     if got.dtype != expected.dtype:
-        return (f"rank {rank}: dtype differs: got {got.dtype}, expected {expected.dtype}",
-                "keep the input's dtype: pad with tensor.new_zeros(...) rather than torch.zeros(...)", details)
+        return T("dtype_differs", rank=rank, got=got.dtype, expected=expected.dtype), T("keep_dtype"), details
     got_f, exp_f = got.detach().double(), expected.double()
     if torch.allclose(got_f, exp_f, rtol=rtol, atol=atol):
         return None
     diff = (got_f - exp_f).abs()
     index = int(diff.reshape(-1).argmax())
     details.append(f"max difference {diff.max().item():g} at flat index {index}")
-    problem = f"rank {rank}: values differ"
-    hint = "look at the first element that differs, and at which chunk (index // chunk size) it falls in"
+    hint = T("first_difference")
     ratio = scale_ratio(got_f, exp_f)
     if ratio is not None and n > 1 and abs(ratio * n - 1) < 1e-3:
-        hint = (f"rank {rank}'s result is {n}x too small: did you average (op='mean' or divide by the "
-                f"world size) instead of summing?")
+        hint = T("too_small", rank=rank, n=n)
     elif ratio is not None and n > 1 and abs(ratio / n - 1) < 1e-3:
-        hint = (f"rank {rank}'s result is {n}x too large: did you sum twice (e.g. an all_reduce on top "
-                f"of the reduce_scatter)?")
-    return problem, hint, details
+        hint = T("too_large", rank=rank, n=n)
+    return T("values_differ", rank=rank), hint, details
 
 
 def scale_ratio(got: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-4) -> float | None:

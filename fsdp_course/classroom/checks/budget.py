@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_course.classroom.checks._common import CHECK_TIMEOUT, CheckFailure, call_learner, require_callable
+from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.memory import (
     DEVICE,
     DeviceOutOfMemory,
@@ -65,6 +66,144 @@ RUN_BATCH = 4
 RUN_ACTIVATIONS = 2 * (len(RUN_SIZES) - 1) * RUN_BATCH * 64 * 4  # each layer's input and ReLU output, fp32
 RUN_CAPACITY = 112 * 1024  # bytes per rank: ZeRO-3 fits from 4 ranks on, with offload from 1
 
+T = catalogue("budget", {
+    # -- any calculator --
+    "returned": ("returned {kind} {value!r:.80}", "返回了 {kind} {value!r:.80}"),
+    "plain_number": ("return a plain number (int or float)", "返回一个普通数字（int 或 float）"),
+    "plain_number_or_none": ("return a plain number (int or float), or None when nothing fits",
+                             "返回一个普通数字（int 或 float），什么都放不下时返回 None"),
+    "got_bytes": ("got {got:,.0f} B, expected {expected:,.0f} B", "得到 {got:,.0f} B，应为 {expected:,.0f} B"),
+    "elements": ("those are elements, not bytes: one fp32 value is 4 bytes",
+                 "这些是元素个数，不是字节数：一个 fp32 值占 4 字节"),
+    "see_formula": ("see the formula above", "见上面的公式"),
+    # -- device_peak --
+    "offload_counted": ("you counted the offloaded state against the device: with offload the sharded parameters, "
+                        "their gradients and Adam's state (16 Psi / N bytes) live on the host, and only the gathered "
+                        "unit with its gradient (8 bytes per parameter of the unit) is on the device",
+                        "你把卸载出去的状态算进了设备内存：卸载时，分片后的参数、它们的梯度和 Adam 状态"
+                        "（16 Psi / N 字节）都在主机上，设备上只有全聚合的单元及其梯度（按该单元每个参数 8 字节计）"),
+    "kept_params_grads": ("the sharded parameters and gradients (8Ψ/N)", "分片后的参数和梯度（8Ψ/N）"),
+    "kept_params": ("the sharded parameters or their gradients (4Ψ/N)", "分片后的参数或它们的梯度（4Ψ/N）"),
+    "kept_params_adam": ("the sharded parameters or gradients and Adam's state (12Ψ/N)",
+                         "分片后的参数或梯度，以及 Adam 状态（12Ψ/N）"),
+    "kept_on_device": ("you kept {what} on the device: offload moves them to the host too, with Adam's state (all of "
+                       "16Ψ/N); the device holds only the gathered unit and its gradient, 8 bytes per parameter of "
+                       "the unit",
+                       "你把{what}留在了设备上：卸载会把它们连同 Adam 状态一起移到主机上（共 16Ψ/N）；"
+                       "设备上只有全聚合的单元及其梯度，按该单元每个参数 8 字节计"),
+    "forgot_moments": ("you forgot the optimizer's state: Adam keeps two fp32 moments, 8 bytes per parameter (sharded "
+                       "over N from ZeRO-1 on)",
+                       "你漏掉了优化器状态：Adam 保存两个 fp32 矩估计，每个参数 8 字节（从 ZeRO-1 起在 N 个 rank 上"
+                       "分片）"),
+    "adam_two_tensors": ("Adam keeps two fp32 tensors per parameter (momentum and variance): 8 bytes per parameter, "
+                         "not 4", "Adam 为每个参数保存两个 fp32 张量（动量和方差）：每个参数 8 字节，不是 4"),
+    "gathers_one_unit": ("ZeRO-3 gathers one unit at a time: at the peak the largest unit's full parameters and its "
+                         "full gradient are on the device too, 8 bytes per parameter of the unit",
+                         "ZeRO-3 一次全聚合一个单元：峰值时，最大单元的完整参数和完整梯度也在设备上，"
+                         "按该单元每个参数 8 字节计"),
+    "gathered_grad_full": ("the gathered unit's gradient is full too while it waits for its reduce-scatter: 8 bytes, "
+                           "not 4", "全聚合单元的梯度在等待归约分散时也是完整的：8 字节，不是 4"),
+    "down": ("down", "向下"),
+    "up": ("up", "向上"),
+    "rounded": ("your {got:,.0f} B is the formula's {expected:,.2f} B rounded {direction}: Psi / N need not be whole, "
+                "so divide with /, not // or round(); the checker compares bytes to a millionth, not to the byte",
+                "你的 {got:,.0f} B 是公式的 {expected:,.2f} B {direction}取整的结果：Psi / N 不一定是整数，"
+                "所以用 / 来除，不要用 // 或 round()；检查器按百万分之一的精度比较字节数，而不是精确到字节"),
+    "divide_by_n": ("{stage} shards some states over the N ranks: divide what it shards by N",
+                    "{stage} 把部分状态分片到 N 个 rank 上：被它分片的部分要除以 N"),
+    "neighbour_peak": ("that is {other}'s peak, not {stage}'s: ZeRO-1 shards the optimizer state, ZeRO-2 the "
+                       "gradients as well, ZeRO-3 the parameters too (and gathers one unit at a time); check which "
+                       "states your stage number shards",
+                       "这是 {other} 的峰值，不是 {stage} 的：ZeRO-1 对优化器状态分片，ZeRO-2 还对梯度分片，"
+                       "ZeRO-3 连参数也分片（并且一次全聚合一个单元）；检查你的阶段编号对哪些状态分片"),
+    "shards_nothing": ("nothing", "不对任何状态分片"),
+    "shards_optimizer": ("the optimizer state", "对优化器状态分片"),
+    "shards_grads": ("the optimizer state and the gradients", "对优化器状态和梯度分片"),
+    "shards_all": ("all three", "对这三者都分片"),
+    "offload_moves": ("; offload moves the sharded states to the host", "；卸载会把分片后的状态移到主机上"),
+    "per_parameter": ("per parameter 4 bytes of parameter, 4 of gradient, 8 of Adam state; {stage} shards "
+                      "{what}{offload}",
+                      "每个参数有 4 字节参数、4 字节梯度、8 字节 Adam 状态；{stage} {what}{offload}"),
+    "ran_out_budget": ("with a budget of your prediction + {activations:,} B for activations, the run ran out of "
+                       "device memory",
+                       "预算设为你的预测值加上留给激活值的 {activations:,} B 时，运行耗尽了设备内存"),
+    "prediction_low": ("your prediction is too low", "你的预测太低了"),
+    # -- smallest_world_size --
+    "blame_device_peak": ("your device_peak gives {got:,.0f} B at N = {n}, the formula {expected:,.0f} B: fix "
+                          "device_peak first (check_device_peak names the mistake): your loop only follows it",
+                          "你的 device_peak 在 N = {n} 时给出 {got:,.0f} B，公式给出 {expected:,.0f} B：先修好 "
+                          "device_peak（check_device_peak 会指出错在哪里）；你的循环只是照着它的结果走"),
+    "offload_counted_search": ("you counted the offloaded state against the device: with offload only the gathered "
+                               "unit and its gradient are on the device, the sharded 16 Psi / N is host memory",
+                               "你把卸载出去的状态算进了设备内存：卸载时设备上只有全聚合的单元及其梯度，"
+                               "分片后的 16 Psi / N 在主机内存里"),
+    "forgot_optimizer": ("you forgot the optimizer's state: Adam keeps 8 bytes per parameter (sharded from ZeRO-1 "
+                         "on)", "你漏掉了优化器状态：Adam 每个参数占 8 字节（从 ZeRO-1 起分片）"),
+    "holds_gathered_unit": ("ZeRO-3 also holds the largest unit gathered with its gradient: 8 bytes per parameter of "
+                            "the unit", "ZeRO-3 还要放下全聚合后的最大单元及其梯度：按该单元每个参数 8 字节计"),
+    "never_tried": ("N = {top} fits, and your search never tried it: range(1, {top}) stops at {last}; try every N "
+                    "from 1 to {top} (range(1, {stop}))",
+                    "N = {top} 放得下，但你的搜索从没试过它：range(1, {top}) 止于 {last}；要试遍从 1 到 {top} "
+                    "的每个 N（range(1, {stop})）"),
+    "boundary": ("a boundary case: at N = {n} the device needs exactly {capacity:,.0f} B, the whole capacity, and a "
+                 "peak equal to the capacity fits: compare with <=, not <",
+                 "边界情况：N = {n} 时设备恰好需要 {capacity:,.0f} B，正好是全部容量，而峰值等于容量时是放得下的："
+                 "比较时用 <=，不要用 <"),
+    "past_search": ("the search is N = 1 to {top}: when none of them fits, return None (you went on to N = {got:.0f})",
+                    "搜索范围是 N = 1 到 {top}：都放不下时返回 None（你继续试到了 N = {got:.0f}）"),
+    "needs_more": ("at N = {n:.0f} the device needs {need:,.0f} B, more than the capacity",
+                   "N = {n:.0f} 时设备需要 {need:,.0f} B，超过了容量"),
+    "try_each": ("try N = 1, 2, 3 ... and return the first N whose device peak fits; None when no N up to {top} fits",
+                 "依次尝试 N = 1, 2, 3 ...，返回第一个设备峰值放得下的 N；所有不超过 {top} 的 N 都放不下时返回 None"),
+    "got_expected": ("got {got!r}, expected {expected!r}", "得到 {got!r}，应为 {expected!r}"),
+    "n_ran_out": ("your N = {n} ran out of device memory", "你的 N = {n} 耗尽了设备内存"),
+    "n_too_small": ("your N is too small", "你的 N 太小了"),
+    "fits_too": ("N = {n} fits too", "N = {n} 也放得下"),
+    "not_smallest": ("your N is not the smallest", "你的 N 不是最小的"),
+    # -- bytes_sent --
+    "ledger_bytes": ("your answer {got:,.0f} B, the ledger counted {sent:,.0f} B",
+                     "你的答案是 {got:,.0f} B，通信账本记录的是 {sent:,.0f} B"),
+    "ring_n_minus_1": ("a ring sends (N - 1)/N of the payload per rank, not all of it: each rank already holds its own "
+                       "chunk, so use N - 1 where you used N",
+                       "环形算法中每个 rank 发送有效载荷的 (N - 1)/N，而不是全部：每个 rank 已经持有自己的分块，"
+                       "所以把用 N 的地方换成 N - 1"),
+    "two_or_three_passes": ("DDP, ZeRO-1 and ZeRO-2 move 2 Psi (N-1)/N (a reduce-scatter and an all-gather: one "
+                            "all-reduce); ZeRO-3 moves 3 Psi (N-1)/N (all-gather in forward, again in backward, "
+                            "reduce-scatter)",
+                            "DDP、ZeRO-1 和 ZeRO-2 传输 2 Psi (N-1)/N（一次归约分散加一次全聚合，即一次全归约）；"
+                            "ZeRO-3 传输 3 Psi (N-1)/N（前向全聚合、反向再全聚合一次、归约分散）"),
+    "traffic": ("{stage}: {passes} Psi (N-1)/N elements of 4 bytes per rank and step",
+                "{stage}：每个 rank 每步传输 {passes} Psi (N-1)/N 个元素，每个元素 4 字节"),
+    # -- comm_seconds --
+    "got_seconds": ("got {got:.6g} s, expected {expected:.6g} s", "得到 {got:.6g} 秒，应为 {expected:.6g} 秒"),
+    "ledger_steps": ("your ring steps {steps:g} and bytes {sent:,.0f}; the ledger's {ledger_steps} and "
+                     "{ledger_sent:,.0f}",
+                     "你的环形步数 {steps:g}、字节数 {sent:,.0f}；通信账本记录的是 {ledger_steps} 步和 "
+                     "{ledger_sent:,.0f} 字节"),
+    "ring_steps": ("a ring all-gather or reduce-scatter over N ranks takes N - 1 steps, each paying alpha, and each "
+                   "rank sends (N - 1)/N of the payload: use N - 1 where you used N",
+                   "N 个 rank 上的环形全聚合或归约分散要走 N - 1 步，每步付出一次 alpha，而且每个 rank 发送有效载荷的 "
+                   "(N - 1)/N：把用 N 的地方换成 N - 1"),
+    "latency": ("the latency term is (N-1)x too small ({k}x here): a ring all-gather or reduce-scatter over N ranks "
+                "takes N - 1 steps and each step pays alpha, so each collective costs (N - 1) alpha, not alpha",
+                "延迟项只有应得值的 1/(N-1)（这里是 1/{k}）：N 个 rank 上的环形全聚合或归约分散要走 N - 1 步，"
+                "每步付出一次 alpha，所以每次集合通信的代价是 (N - 1) alpha，而不是 alpha"),
+    "bandwidth": ("the bandwidth term is units x too large ({units}x here): one unit's payload is 4Ψ/units bytes "
+                  "(4 x {psi:,} / {units}), not the whole model's 4Ψ; each of the units x 3 collectives moves one unit",
+                  "带宽项是应得值的 units 倍（这里是 {units} 倍）：一个单元的有效载荷是 4Ψ/units 字节"
+                  "（4 x {psi:,} / {units}），不是整个模型的 4Ψ；units x 3 次集合通信每次只传一个单元"),
+    "own_collective": ("each unit is its own collective: units x 3 collectives, each paying (N - 1) alpha",
+                       "每个单元各自做集合通信：共 units x 3 次集合通信，每次付出 (N - 1) alpha"),
+    "three_collectives": ("ZeRO-3 runs three collectives per unit and step: an all-gather in forward, another in "
+                          "backward (the unit was freed after forward), and a reduce-scatter of its gradient",
+                          "ZeRO-3 每个单元每步做三次集合通信：前向一次全聚合，反向再一次（前向之后单元已被释放），"
+                          "以及对其梯度的一次归约分散"),
+    "one_rank": ("one rank talks to nobody: no collective, 0 seconds",
+                 "只有一个 rank 时不与任何人通信：没有集合通信，0 秒"),
+    "per_unit": ("per unit: 2 all-gathers + 1 reduce-scatter, each (N - 1) alpha + (N - 1)/N x (4 psi / units) x beta",
+                 "每个单元：2 次全聚合 + 1 次归约分散，每次 (N - 1) alpha + (N - 1)/N x (4 psi / units) x beta"),
+})
+
 
 def _run_psi() -> tuple[int, int]:
     units = [a * b + b for a, b in zip(RUN_SIZES[:-1], RUN_SIZES[1:], strict=True)]
@@ -79,55 +218,45 @@ def _number(check: str, where: str, got: Any, allow_none: bool = False) -> float
     if got is None and allow_none:
         return None
     if isinstance(got, bool) or not isinstance(got, (int, float)):
-        CheckFailure(check, where, f"returned {type(got).__name__} {got!r:.80}", "return a plain number (int or float)"
-                     + (", or None when nothing fits" if allow_none else "")).fail()
+        CheckFailure(check, where, T("returned", kind=type(got).__name__, value=got),
+                     T("plain_number_or_none" if allow_none else "plain_number")).fail()
     return float(got)
 
 
 # -- device_peak -----------------------------------------------------------------------------------------------------
-def _device_hint(got: float, psi: int, n: int, stage: int, offload: bool, unit: int) -> str:
+def _device_hint(got: float, psi: int, n: int, stage: int, offload: bool, unit: int) -> Message:
     expected = budget_formula(psi, n, stage, offload=offload, gathered_numel=unit)
     states = zero_formula(psi, n, stage, gathered_numel=unit)
     if offload and _close(got, expected["device"] + expected["host"]):
-        return ("you counted the offloaded state against the device: with offload the sharded parameters, their "
-                "gradients and Adam's state (16 Psi / N bytes) live on the host, and only the gathered unit with its "
-                "gradient (8 bytes per parameter of the unit) is on the device")
-    kept = {"the sharded parameters and gradients (8Ψ/N)": states["params"] + states["grads"],
-            "the sharded parameters or their gradients (4Ψ/N)": states["params"],
-            "the sharded parameters or gradients and Adam's state (12Ψ/N)": states["params"] + states["optimizer"]}
-    for what, nbytes in kept.items():
+        return T("offload_counted")
+    kept = ((T("kept_params_grads"), states["params"] + states["grads"]),
+            (T("kept_params"), states["params"]),
+            (T("kept_params_adam"), states["params"] + states["optimizer"]))
+    for what, nbytes in kept:
         if offload and _close(got, expected["device"] + nbytes):
-            return (f"you kept {what} on the device: offload moves them to the host too, with Adam's state (all of "
-                    "16Ψ/N); the device holds only the gathered unit and its gradient, 8 bytes per parameter of "
-                    "the unit")
+            return T("kept_on_device", what=what)
     if _close(got, expected["device"] - states["optimizer"]) and states["optimizer"]:
-        return ("you forgot the optimizer's state: Adam keeps two fp32 moments, 8 bytes per parameter (sharded over "
-                "N from ZeRO-1 on)")
+        return T("forgot_moments")
     if _close(got, expected["device"] - states["optimizer"] / 2) and states["optimizer"]:
-        return "Adam keeps two fp32 tensors per parameter (momentum and variance): 8 bytes per parameter, not 4"
+        return T("adam_two_tensors")
     if stage == 3 and _close(got, expected["device"] - states["gathered"]):
-        return ("ZeRO-3 gathers one unit at a time: at the peak the largest unit's full parameters and its full "
-                "gradient are on the device too, 8 bytes per parameter of the unit")
+        return T("gathers_one_unit")
     if stage == 3 and _close(got, expected["device"] - states["gathered"] / 2):
-        return "the gathered unit's gradient is full too while it waits for its reduce-scatter: 8 bytes, not 4"
+        return T("gathered_grad_full")
     if _close(got * 4, expected["device"]):
-        return "those are elements, not bytes: one fp32 value is 4 bytes"
+        return T("elements")
     if 0 < abs(got - expected["device"]) < 8 and got == int(got):
-        return (f"your {got:,.0f} B is the formula's {expected['device']:,.2f} B rounded "
-                f"{'down' if got < expected['device'] else 'up'}: Psi / N need not be whole, so divide with /, not // "
-                "or round(); the checker compares bytes to a millionth, not to the byte")
+        return T("rounded", got=got, expected=expected["device"],
+                 direction=T("down" if got < expected["device"] else "up"))
     if n > 1 and _close(got, sum(states[k] * (n if stage >= s else 1)
                                  for k, s in (("params", 3), ("grads", 2), ("optimizer", 1))) + states["gathered"]):
-        return f"{STAGES[stage]} shards some states over the N ranks: divide what it shards by N"
+        return T("divide_by_n", stage=STAGES[stage])
     for other in (stage - 1, stage + 1):
         neighbour = budget_formula(psi, n, other, gathered_numel=unit)["device"] if 0 <= other <= 3 else None
         if neighbour is not None and not offload and _close(got, neighbour):
-            return (f"that is {STAGES[other]}'s peak, not {STAGES[stage]}'s: ZeRO-1 shards the optimizer state, "
-                    "ZeRO-2 the gradients as well, ZeRO-3 the parameters too (and gathers one unit at a time); "
-                    "check which states your stage number shards")
-    return (f"per parameter 4 bytes of parameter, 4 of gradient, 8 of Adam state; {STAGES[stage]} shards "
-            f"{['nothing', 'the optimizer state', 'the optimizer state and the gradients', 'all three'][stage]}"
-            + ("; offload moves the sharded states to the host" if offload else ""))
+            return T("neighbour_peak", other=STAGES[other], stage=STAGES[stage])
+    what = T(("shards_nothing", "shards_optimizer", "shards_grads", "shards_all")[stage])
+    return T("per_parameter", stage=STAGES[stage], what=what, offload=T("offload_moves") if offload else "")
 
 
 def run_with_budget(world_size: int, offload: bool, capacity: int, steps: int = 2) -> list[dict[str, Any]]:
@@ -187,7 +316,7 @@ def check_device_peak(fn: Callable[[int, int, int, bool, int], float]) -> None:
                 got = _number(check, where, call_learner(check, name, fn, psi, n, stage, offload, unit, where=where))
                 expected = budget_formula(psi, n, stage, offload=offload, gathered_numel=unit)["device"]
                 if not _close(got, expected):
-                    CheckFailure(check, where, f"got {got:,.0f} B, expected {expected:,.0f} B",
+                    CheckFailure(check, where, T("got_bytes", got=got, expected=expected),
                                  _device_hint(got, psi, n, stage, offload, unit)).fail()
     psi, unit = _run_psi()
     rows = []
@@ -198,8 +327,7 @@ def check_device_peak(fn: Callable[[int, int, int, bool, int], float]) -> None:
         where = f"the run: MLP{list(RUN_SIZES)} ({psi:,} parameters), ZeRO-3 on 2 ranks" + (
             " with offload" if offload else "")
         if not ran[0]["fits"]:
-            CheckFailure(check, where, f"with a budget of your prediction + {RUN_ACTIVATIONS:,} B for activations, "
-                         "the run ran out of device memory", "your prediction is too low",
+            CheckFailure(check, where, T("ran_out_budget", activations=RUN_ACTIVATIONS), T("prediction_low"),
                          [ran[0]["error"]]).fail()
         rows.append((where, offload, predicted, ran[0]))
     print(f"All tests in {check} passed (world sizes {', '.join(map(str, WORLD_SIZES))} against budget_formula; "
@@ -258,7 +386,7 @@ SMALLEST_CASES = (  # (psi, unit_numel, capacity in bytes, stage, offload)
 )
 
 
-def _device_peak_blame(fn: Callable[..., Any], psi: int, unit: int, stage: int, offload: bool) -> str | None:
+def _device_peak_blame(fn: Callable[..., Any], psi: int, unit: int, stage: int, offload: bool) -> Message | None:
     """If `fn` calls the learner's `device_peak` (a global of their notebook) and that gives another number than the
     formula at some N of the search, a hint that says so (the loop is not what is wrong), else None."""
     device_peak = getattr(fn, "__globals__", {}).get("device_peak")
@@ -271,12 +399,11 @@ def _device_peak_blame(fn: Callable[..., Any], psi: int, unit: int, stage: int, 
         except Exception:  # noqa: BLE001  (the loop's own failure is reported instead)
             return None
         if not _close(got, expected):
-            return (f"your device_peak gives {got:,.0f} B at N = {n}, the formula {expected:,.0f} B: fix device_peak "
-                    "first (check_device_peak names the mistake): your loop only follows it")
+            return T("blame_device_peak", got=got, n=n, expected=expected)
     return None
 
 
-def _smallest_hint(got: float | None, psi: int, unit: int, capacity: float, stage: int, offload: bool) -> str:
+def _smallest_hint(got: float | None, psi: int, unit: int, capacity: float, stage: int, offload: bool) -> Message:
     def smallest(device: Callable[[int], float]) -> int | None:
         return next((n for n in range(1, MAX_WORLD_SIZE + 1) if device(n) <= capacity), None)
 
@@ -284,28 +411,23 @@ def _smallest_hint(got: float | None, psi: int, unit: int, capacity: float, stag
         return budget_formula(psi, n, stage, offload=offload, gathered_numel=unit)
 
     if offload and got == smallest(lambda n: formula(n)["device"] + formula(n)["host"]):
-        return ("you counted the offloaded state against the device: with offload only the gathered unit and its "
-                "gradient are on the device, the sharded 16 Psi / N is host memory")
+        return T("offload_counted_search")
     if got == smallest(lambda n: formula(n)["device"] - zero_formula(psi, n, stage)["optimizer"]):
-        return "you forgot the optimizer's state: Adam keeps 8 bytes per parameter (sharded from ZeRO-1 on)"
+        return T("forgot_optimizer")
     if stage == 3 and got == smallest(lambda n: formula(n)["device"] - zero_formula(psi, n, stage,
                                                                                      gathered_numel=unit)["gathered"]):
-        return "ZeRO-3 also holds the largest unit gathered with its gradient: 8 bytes per parameter of the unit"
+        return T("holds_gathered_unit")
     expected = smallest(lambda n: formula(n)["device"])
     if got is None and expected == MAX_WORLD_SIZE:
-        return (f"N = {MAX_WORLD_SIZE} fits, and your search never tried it: range(1, {MAX_WORLD_SIZE}) stops at "
-                f"{MAX_WORLD_SIZE - 1}; try every N from 1 to {MAX_WORLD_SIZE} (range(1, {MAX_WORLD_SIZE + 1}))")
+        return T("never_tried", top=MAX_WORLD_SIZE, last=MAX_WORLD_SIZE - 1, stop=MAX_WORLD_SIZE + 1)
     strict = next((n for n in range(1, MAX_WORLD_SIZE + 1) if formula(n)["device"] < capacity), None)
     if got == strict and expected is not None and formula(expected)["device"] == capacity:
-        return (f"a boundary case: at N = {expected} the device needs exactly {capacity:,.0f} B, the whole capacity, "
-                "and a peak equal to the capacity fits: compare with <=, not <")
+        return T("boundary", n=expected, capacity=capacity)
     if expected is None and got is not None and got > MAX_WORLD_SIZE:
-        return (f"the search is N = 1 to {MAX_WORLD_SIZE}: when none of them fits, return None (you went on to "
-                f"N = {got:.0f})")
+        return T("past_search", top=MAX_WORLD_SIZE, got=got)
     if got is not None and got <= MAX_WORLD_SIZE and formula(int(got))["device"] > capacity:
-        return f"at N = {got:.0f} the device needs {formula(int(got))['device']:,.0f} B, more than the capacity"
-    return (f"try N = 1, 2, 3 ... and return the first N whose device peak fits; None when no N up to "
-            f"{MAX_WORLD_SIZE} fits")
+        return T("needs_more", n=got, need=formula(int(got))["device"])
+    return T("try_each", top=MAX_WORLD_SIZE)
 
 
 def check_smallest_world_size(fn: Callable[[int, int, float, int, bool], int | None]) -> None:
@@ -322,7 +444,7 @@ def check_smallest_world_size(fn: Callable[[int, int, float, int, bool], int | N
         got = _number(check, where, raw, allow_none=True)
         expected = expected_smallest_world_size(psi, unit, capacity, stage, offload)
         if got != expected:
-            CheckFailure(check, where, f"got {raw!r}, expected {expected!r}",
+            CheckFailure(check, where, T("got_expected", got=raw, expected=expected),
                          _device_peak_blame(fn, psi, unit, stage, offload)
                          or _smallest_hint(got, psi, unit, capacity, stage, offload)).fail()
     psi, unit = _run_psi()
@@ -332,11 +454,10 @@ def check_smallest_world_size(fn: Callable[[int, int, float, int, bool], int | N
         where = f"the run: MLP{list(RUN_SIZES)}, ZeRO-3{' with offload' if offload else ''}, {RUN_CAPACITY:,} B"
         ran = run_with_budget(int(n), offload, RUN_CAPACITY)
         if not ran[0]["fits"]:
-            CheckFailure(check, where, f"your N = {n} ran out of device memory", "your N is too small",
-                         [ran[0]["error"]]).fail()
+            CheckFailure(check, where, T("n_ran_out", n=n), T("n_too_small"), [ran[0]["error"]]).fail()
         below = run_with_budget(int(n) - 1, offload, RUN_CAPACITY) if n > 1 else None
         if below is not None and below[0]["fits"]:
-            CheckFailure(check, where, f"N = {n - 1} fits too", "your N is not the smallest").fail()
+            CheckFailure(check, where, T("fits_too", n=n - 1), T("not_smallest")).fail()
         sizes |= {int(n), int(n) - 1} - {0}
         confirmed.append(f"ZeRO-3{' + offload' if offload else ''}: N = {n} fits"
                          + (f", N = {n - 1} runs out ({below[0]['category']})" if below is not None else ""))
@@ -361,7 +482,7 @@ def check_bytes_sent(fn: Callable[[int, int, int], float]) -> None:
                 formula = traffic_formula(4 * psi, n)
                 expected = formula["fsdp" if stage == 3 else "ddp"]
                 if not _close(got, expected):
-                    CheckFailure(check, where, f"got {got:,.0f} B, expected {expected:,.0f} B",
+                    CheckFailure(check, where, T("got_bytes", got=got, expected=expected),
                                  _traffic_hint(got, psi, n, stage)).fail()
     psi_units = [a * b + b for a, b in zip(RUN_SIZES[:-1], RUN_SIZES[1:], strict=True)]
     rows = []
@@ -371,24 +492,22 @@ def check_bytes_sent(fn: Callable[[int, int, int], float]) -> None:
         got = float(fn(padded, n, 3))
         if not _close(got, sent):
             CheckFailure(check, f"the run: ZeRO-3 on {n} ranks, {padded:,} padded parameters",
-                         f"your answer {got:,.0f} B, the ledger counted {sent:,.0f} B", "see the formula above").fail()
+                         T("ledger_bytes", got=got, sent=sent), T("see_formula")).fail()
         rows.append(f"N = {n}: {sent:,.0f} B")
     print(f"All tests in {check} passed (world sizes {', '.join(map(str, WORLD_SIZES))} against traffic_formula; "
           "2, 3 against the ledger of a real step)")
     print("  ZeRO-3 of the run model, bytes sent per rank and step: " + "; ".join(rows))
 
 
-def _traffic_hint(got: float, psi: int, n: int, stage: int) -> str:
+def _traffic_hint(got: float, psi: int, n: int, stage: int) -> Message:
     passes = 3 if stage == 3 else 2
     if _close(got, passes * 4 * psi):
-        return ("a ring sends (N - 1)/N of the payload per rank, not all of it: each rank already holds its own "
-                "chunk, so use N - 1 where you used N")
+        return T("ring_n_minus_1")
     if _close(got * 4, passes * 4 * psi * (n - 1) / n):
-        return "those are elements, not bytes: one fp32 value is 4 bytes"
+        return T("elements")
     if _close(got, (5 - passes) * 4 * psi * (n - 1) / n):
-        return ("DDP, ZeRO-1 and ZeRO-2 move 2 Psi (N-1)/N (a reduce-scatter and an all-gather: one all-reduce); "
-                "ZeRO-3 moves 3 Psi (N-1)/N (all-gather in forward, again in backward, reduce-scatter)")
-    return f"{STAGES[stage]}: {passes} Psi (N-1)/N elements of 4 bytes per rank and step"
+        return T("two_or_three_passes")
+    return T("traffic", stage=STAGES[stage], passes=passes)
 
 
 # -- comm_seconds ----------------------------------------------------------------------------------------------------
@@ -407,7 +526,7 @@ COMM_CASES = (  # (psi, world size, units, alpha s, beta s/B)
 )
 
 
-def _comm_hint(got: float, psi: int, n: int, units: int, alpha: float, beta: float) -> str:
+def _comm_hint(got: float, psi: int, n: int, units: int, alpha: float, beta: float) -> Message:
     b = 4 * psi / units
     ring = (n - 1) / n * b * beta
 
@@ -416,22 +535,18 @@ def _comm_hint(got: float, psi: int, n: int, units: int, alpha: float, beta: flo
 
     n_for_n_minus_1 = (total(n, ring), total(n, b * beta), total(n - 1, b * beta))
     if n > 1 and any(_close(got, wrong) for wrong in n_for_n_minus_1):
-        return ("a ring all-gather or reduce-scatter over N ranks takes N - 1 steps, each paying alpha, and each rank "
-                "sends (N - 1)/N of the payload: use N - 1 where you used N")
+        return T("ring_steps")
     if n > 2 and _close(got, total(1, ring)):
-        return (f"the latency term is (N-1)x too small ({n - 1}x here): a ring all-gather or reduce-scatter over N "
-                "ranks takes N - 1 steps and each step pays alpha, so each collective costs (N - 1) alpha, not alpha")
+        return T("latency", k=n - 1)
     if n > 1 and units > 1 and _close(got, total(n - 1, ring * units)):
-        return (f"the bandwidth term is units x too large ({units}x here): one unit's payload is 4Ψ/units bytes "
-                f"(4 x {psi:,} / {units}), not the whole model's 4Ψ; each of the units x 3 collectives moves one unit")
+        return T("bandwidth", units=units, psi=psi)
     if n > 1 and _close(got, total(n - 1, ring * units, count=1)):
-        return "each unit is its own collective: units x 3 collectives, each paying (N - 1) alpha"
+        return T("own_collective")
     if n > 1 and _close(got, total(n - 1, ring, collectives=2)):
-        return ("ZeRO-3 runs three collectives per unit and step: an all-gather in forward, another in backward "
-                "(the unit was freed after forward), and a reduce-scatter of its gradient")
+        return T("three_collectives")
     if n == 1 and got != 0:
-        return "one rank talks to nobody: no collective, 0 seconds"
-    return "per unit: 2 all-gathers + 1 reduce-scatter, each (N - 1) alpha + (N - 1)/N x (4 psi / units) x beta"
+        return T("one_rank")
+    return T("per_unit")
 
 
 def check_comm_seconds(fn: Callable[[int, int, int, float, float], float]) -> None:
@@ -447,7 +562,7 @@ def check_comm_seconds(fn: Callable[[int, int, int, float, float], float]) -> No
         got = _number(check, where, call_learner(check, name, fn, psi, n, units, alpha, beta, where=where))
         expected = expected_comm_seconds(psi, n, units, alpha, beta)
         if not _close(got, expected):
-            CheckFailure(check, where, f"got {got:.6g} s, expected {expected:.6g} s",
+            CheckFailure(check, where, T("got_seconds", got=got, expected=expected),
                          _comm_hint(got, psi, n, units, alpha, beta)).fail()
     unit_numel = RUN_SIZES[0] * RUN_SIZES[1] + RUN_SIZES[1]
     units = len(RUN_SIZES) - 1
@@ -458,8 +573,8 @@ def check_comm_seconds(fn: Callable[[int, int, int, float, float], float]) -> No
         steps, sent = float(fn(padded, n, units, 1.0, 0.0)), float(fn(padded, n, units, 0.0, 1.0))
         if not (_close(steps, ran["ring_steps"]) and _close(sent, ran["sent"])):
             CheckFailure(check, f"the run: ZeRO-3 on {n} ranks, {units} units",
-                         f"your ring steps {steps:g} and bytes {sent:,.0f}; the ledger's {ran['ring_steps']} "
-                         f"and {ran['sent']:,.0f}", "see the formula above").fail()
+                         T("ledger_steps", steps=steps, sent=sent, ledger_steps=ran["ring_steps"],
+                           ledger_sent=ran["sent"]), T("see_formula")).fail()
         rows.append(f"N = {n}: {ran['collectives']} collectives, {ran['ring_steps']} ring steps, {ran['sent']:,.0f} B")
     print(f"All tests in {check} passed (world sizes {', '.join(sorted({str(c[1]) for c in COMM_CASES}, key=int))} "
           "against CostFit.predict; 2, 3 against the ledger of a real step)")

@@ -41,6 +41,7 @@ from fsdp_course.classroom.checks._common import (
     require_world_sizes,
     run_checked,
 )
+from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.launch import start_torchrun, torchrun_command
 from fsdp_course.runtime.simulate import RankError, run_ranks
@@ -50,6 +51,59 @@ __all__ = ["check_sharded_checkpoint", "compare_states", "rank_state", "trained_
 WORLD_SIZES = (1, 2, 3)
 TORCHRUN_WORLD_SIZE = 2
 TORCHRUN_TIMEOUT = 120.0  # seconds: three fresh Python processes importing torch on a busy laptop
+
+T = catalogue("checkpoint", {
+    "load_not_dict": ("load returned {kind}, not a dict of tensors", "load 返回了 {kind}，而不是由张量组成的 dict"),
+    "keys_differ": ("keys differ: missing {missing}, unexpected {extra}", "键不一致：缺少 {missing}，多出 {extra}"),
+    "not_tensor": ("{name}: {kind}, not a tensor", "{name}：是 {kind}，不是张量"),
+    "dtype_shape": ("{name}: {got}, saved {saved}", "{name}：得到 {got}，保存的是 {saved}"),
+    "values_differ": ("{name}: values differ (max difference {diff:g})", "{name}：数值不同（最大差值 {diff:g}）"),
+    "same_names": ("load reads the files save wrote: use the same names (one per rank, plus the metadata)",
+                   "load 读取的是 save 写下的文件：使用相同的文件名（每个 rank 一个，外加元数据）"),
+    "plain_tensors": ("save plain tensors (a dict of tensors) so that torch.load(..., weights_only=True) can read them",
+                      "保存普通张量（由张量组成的 dict），这样 torch.load(..., weights_only=True) 才能读取它们"),
+    "state_differs": ("the state loaded back differs from the one saved: {problem}",
+                      "读回的状态与保存的不同：{problem}"),
+    "save_as_is": ("save every tensor of the dict as it is (torch.save(state, path)) and load the same file back on "
+                   "the same rank", "按原样保存 dict 里的每个张量（torch.save(state, path)），并在同一个 rank 上读回"
+                   "同一个文件"),
+    "no_collective": ("rank {rank} returned from save without any collective",
+                      "rank {rank} 从 save 返回时没有做任何集合通信"),
+    "end_with_barrier": ("nothing tells a rank that the others have finished writing: end save with ctx.barrier(), so "
+                         "that the checkpoint is complete when any rank returns",
+                         "没有任何机制让一个 rank 知道其他 rank 已经写完：在 save 末尾调用 ctx.barrier()，"
+                         "这样任何一个 rank 返回时，检查点都已完整"),
+    "too_few_files": ("the checkpoint directory holds {files} file(s) for {n} ranks",
+                      "{n} 个 rank 的检查点目录里只有 {files} 个文件"),
+    "own_file": ("each rank writes its own file (e.g. rank{{ctx.rank}}.pt): a sharded checkpoint never gathers the "
+                 "state on one rank", "每个 rank 写自己的文件（例如 rank{{ctx.rank}}.pt）：分片检查点从不把状态汇集到"
+                 "一个 rank 上"),
+    "every_rank_loaded": ("every rank loaded it without an error", "每个 rank 都加载了它，没有报错"),
+    "rank_loaded": ("rank {ranks} loaded it without an error", "rank {ranks} 加载了它，没有报错"),
+    "ranks_loaded": ("ranks {ranks} loaded it without an error", "rank {ranks} 都加载了它，没有报错"),
+    "refuse_world_size": ("save the world size in the metadata; in load, raise (e.g. ValueError) on every rank when it "
+                          "differs from ctx.world_size: a sharded checkpoint is cut per world size",
+                          "把 world size 存进元数据；load 时若它与 ctx.world_size 不同，就在每个 rank 上抛出异常"
+                          "（例如 ValueError）：分片检查点是按 world size 切分的"),
+    "no_source": ("the source of {name} cannot be found", "找不到 {name} 的源代码"),
+    "define_load": ("define load in a notebook cell or a .py file: torchrun's processes run its source",
+                    "在 notebook 的单元格或 .py 文件里定义 load：torchrun 的进程运行的是它的源代码"),
+    "timeout": ("torchrun did not finish within {timeout:g} s", "torchrun 没有在 {timeout:g} 秒内结束"),
+    "only_files": ("{name} must not wait for anything but the files", "{name} 除了这些文件，不能等待任何别的东西"),
+    "reported_nothing": ("rank {rank}'s process reported nothing (torchrun exit code {code})",
+                         "rank {rank} 的进程什么也没有报告（torchrun 退出码 {code}）"),
+    "fresh_process": ("{name} runs in a fresh process: it may use only its arguments and os, json, Path, torch",
+                      "{name} 在一个全新的进程里运行：只能使用它的参数以及 os、json、Path、torch"),
+    "fresh_process_helper": ("{name} runs in a fresh process: it may use only its arguments and os, json, Path, torch "
+                             "(define any helper inside it)",
+                             "{name} 在一个全新的进程里运行：只能使用它的参数以及 os、json、Path、torch"
+                             "（要用的辅助函数都定义在它内部）"),
+    "process_raised": ("rank {rank}'s process raised {error}", "rank {rank} 的进程抛出了 {error}"),
+    "process_differs": ("rank {rank}'s process loaded a different state: {problem}",
+                        "rank {rank} 的进程加载的状态与保存的不同：{problem}"),
+    "read_back_exactly": ("load must read back exactly what save wrote, in any process",
+                          "在任何进程里，load 都必须原样读回 save 写下的内容"),
+})
 
 
 def rank_state(fsdp: Any, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -94,23 +148,34 @@ def _base_model(cls: Any, config_cls: Any) -> nn.Module:
         return _MODELS["tiny"]
 
 
-def compare_states(got: object, expected: dict[str, torch.Tensor]) -> list[str]:
-    """What differs between a loaded state and the saved one ([] if equal bit for bit, dtypes and shapes too)."""
+def compare_states(got: object, expected: dict[str, torch.Tensor]) -> list[Message]:
+    """What differs between a loaded state and the saved one ([] if equal bit for bit, dtypes and shapes too). The
+    Messages' fields are plain JSON data, so that a torchrun process can send them back (`_to_json`)."""
     if not isinstance(got, dict):
-        return [f"load returned {type(got).__name__}, not a dict of tensors"]
+        return [T("load_not_dict", kind=type(got).__name__)]
     problems = []
     missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
     if missing or extra:
-        problems.append(f"keys differ: missing {missing}, unexpected {extra}")
+        problems.append(T("keys_differ", missing=missing, extra=extra))
     for key in sorted(set(expected) & set(got)):
         g, e = got[key], expected[key]
         if not isinstance(g, torch.Tensor):
-            problems.append(f"{key}: {type(g).__name__}, not a tensor")
+            problems.append(T("not_tensor", name=key, kind=type(g).__name__))
         elif g.dtype != e.dtype or g.shape != e.shape:
-            problems.append(f"{key}: {g.dtype} {tuple(g.shape)}, saved {e.dtype} {tuple(e.shape)}")
+            problems.append(T("dtype_shape", name=key, got=f"{g.dtype} {tuple(g.shape)}",
+                              saved=f"{e.dtype} {tuple(e.shape)}"))
         elif not torch.equal(g, e):
-            problems.append(f"{key}: values differ (max difference {float((g.double() - e.double()).abs().max()):g})")
+            problems.append(T("values_differ", name=key, diff=float((g.double() - e.double()).abs().max())))
     return problems
+
+
+def _to_json(problems: list[Message]) -> list[list[Any]]:
+    """`compare_states`' Messages as JSON data ([id, fields] each), for a torchrun process's report."""
+    return [[p.id, dict(p.fields)] for p in problems]
+
+
+def _from_json(problems: list[list[Any]]) -> list[Message]:
+    return [Message(id_, fields) for id_, fields in problems]
 
 
 _SCRIPT = '''\
@@ -120,7 +185,7 @@ from pathlib import Path
 import torch
 
 from fsdp_course import RankContext
-from fsdp_course.classroom.checks.checkpoint import compare_states
+from fsdp_course.classroom.checks.checkpoint import _to_json, compare_states
 
 {source}
 
@@ -128,7 +193,7 @@ ctx = RankContext.from_env(timeout=60)
 try:
     expected = torch.load(os.path.join({expected!r}, f"rank{{ctx.rank}}.pt"), weights_only=True)
     got = {name}(ctx, {directory!r})
-    report = {{"rank": ctx.rank, "problems": compare_states(got, expected)}}
+    report = {{"rank": ctx.rank, "problems": _to_json(compare_states(got, expected))}}
 except Exception as exc:
     report = {{"rank": ctx.rank, "error": f"{{type(exc).__name__}}: {{exc}}"}}
 # a file per rank: two processes printing to one pipe can interleave their lines
@@ -139,11 +204,11 @@ ctx.close()
 '''
 
 
-def _load_hint(exc: BaseException) -> str:
+def _load_hint(exc: BaseException) -> Message:
     if isinstance(exc, FileNotFoundError):
-        return "load reads the files save wrote: use the same names (one per rank, plus the metadata)"
+        return T("same_names")
     if "weights_only" in str(exc) or "Unsupported global" in str(exc):
-        return "save plain tensors (a dict of tensors) so that torch.load(..., weights_only=True) can read them"
+        return T("plain_tensors")
     return exception_hint(exc)
 
 
@@ -207,18 +272,14 @@ def check_sharded_checkpoint(save: Callable[[RankContext, dict[str, torch.Tensor
 def _check_results(check: str, n: int, results: list[list[Any]], directory: str) -> None:
     for rank, (synced, problems) in enumerate(results):
         if problems:
-            CheckFailure(check, f"world size {n}, rank {rank}", f"the state loaded back differs from the one saved: "
-                         f"{problems[0]}", "save every tensor of the dict as it is (torch.save(state, path)) and "
-                         "load the same file back on the same rank", problems[1:6]).fail()
+            CheckFailure(check, f"world size {n}, rank {rank}", T("state_differs", problem=problems[0]),
+                         T("save_as_is"), [str(p) for p in problems[1:6]]).fail()
         if n > 1 and not synced:
-            CheckFailure(check, f"world size {n}, rank {rank}", f"rank {rank} returned from save without any "
-                         "collective", "nothing tells a rank that the others have finished writing: end save with "
-                         "ctx.barrier(), so that the checkpoint is complete when any rank returns").fail()
+            CheckFailure(check, f"world size {n}, rank {rank}", T("no_collective", rank=rank),
+                         T("end_with_barrier")).fail()
     files = [p for p in Path(directory).rglob("*") if p.is_file()]
     if len(files) < n:
-        CheckFailure(check, f"world size {n}", f"the checkpoint directory holds {len(files)} file(s) for {n} ranks",
-                     "each rank writes its own file (e.g. rank{ctx.rank}.pt): a sharded checkpoint never gathers "
-                     "the state on one rank").fail()
+        CheckFailure(check, f"world size {n}", T("too_few_files", files=len(files), n=n), T("own_file")).fail()
 
 
 def _check_wrong_world_size(check: str, load: Callable, load_name: str, tmp: str, n: int) -> None:
@@ -231,13 +292,10 @@ def _check_wrong_world_size(check: str, load: Callable, load_name: str, tmp: str
         silent = sorted(set(range(n + 1)) - set(err.failures))
         if not silent:
             return
-        quiet = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+        quiet = T("ranks_loaded" if len(silent) > 1 else "rank_loaded", ranks=", ".join(map(str, silent)))
     else:
-        quiet = "every rank"
-    CheckFailure(check, f"a checkpoint saved by {n} ranks, loaded on {n + 1}",
-                 f"{quiet} loaded it without an error", "save the world size in the metadata; in load, raise "
-                 "(e.g. ValueError) on every rank when it differs from ctx.world_size: a sharded checkpoint is cut "
-                 "per world size").fail()
+        quiet = T("every_rank_loaded")
+    CheckFailure(check, f"a checkpoint saved by {n} ranks, loaded on {n + 1}", quiet, T("refuse_world_size")).fail()
 
 
 def _check_torchrun(check: str, load: Callable, load_name: str, tmp: str) -> None:
@@ -246,8 +304,7 @@ def _check_torchrun(check: str, load: Callable, load_name: str, tmp: str) -> Non
     try:
         source = textwrap.dedent(inspect.getsource(load))
     except (OSError, TypeError):
-        CheckFailure(check, where, f"the source of {load_name} cannot be found",
-                     "define load in a notebook cell or a .py file: torchrun's processes run its source").fail()
+        CheckFailure(check, where, T("no_source", name=load_name), T("define_load")).fail()
     script = os.path.join(tmp, "load_under_torchrun.py")
     reports_dir = os.path.join(tmp, "reports")
     os.makedirs(reports_dir, exist_ok=True)
@@ -260,8 +317,7 @@ def _check_torchrun(check: str, load: Callable, load_name: str, tmp: str) -> Non
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
-        CheckFailure(check, where, f"torchrun did not finish within {TORCHRUN_TIMEOUT:g} s",
-                     f"{load_name} must not wait for anything but the files").fail()
+        CheckFailure(check, where, T("timeout", timeout=TORCHRUN_TIMEOUT), T("only_files", name=load_name)).fail()
     reports = {}
     for rank in range(n):
         path = Path(reports_dir, f"rank{rank}.json")
@@ -270,15 +326,13 @@ def _check_torchrun(check: str, load: Callable, load_name: str, tmp: str) -> Non
     for rank in range(n):
         report = reports.get(rank)
         if report is None:
-            CheckFailure(check, where, f"rank {rank}'s process reported nothing (torchrun exit code {proc.returncode})",
-                         f"{load_name} runs in a fresh process: it may use only its arguments and os, json, Path, "
-                         "torch", proc.stderr.strip().splitlines()[-6:]).fail()
+            CheckFailure(check, where, T("reported_nothing", rank=rank, code=proc.returncode),
+                         T("fresh_process", name=load_name), proc.stderr.strip().splitlines()[-6:]).fail()
         if "error" in report:
-            CheckFailure(check, where, f"rank {rank}'s process raised {report['error']}",
-                         f"{load_name} runs in a fresh process: it may use only its arguments and os, json, Path, "
-                         "torch (define any helper inside it)").fail()
-        if report["problems"]:
-            CheckFailure(check, where, f"rank {rank}'s process loaded a different state: {report['problems'][0]}",
-                         "load must read back exactly what save wrote, in any process",
-                         report["problems"][1:6]).fail()
+            CheckFailure(check, where, T("process_raised", rank=rank, error=report["error"]),
+                         T("fresh_process_helper", name=load_name)).fail()
+        problems = _from_json(report["problems"])
+        if problems:
+            CheckFailure(check, where, T("process_differs", rank=rank, problem=problems[0]), T("read_back_exactly"),
+                         [str(p) for p in problems[1:6]]).fail()
 

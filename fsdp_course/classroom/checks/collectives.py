@@ -25,6 +25,7 @@ import torch
 
 from fsdp_course.classroom.checks._common import (
     CheckFailure,
+    Message,
     compare_tensor,
     exception_hint,
     format_tensor,
@@ -32,13 +33,98 @@ from fsdp_course.classroom.checks._common import (
     require_world_sizes,
     run_checked,
 )
+from fsdp_course.classroom.checks._common import T as shared
 from fsdp_course.fsdp.flat_param import padded_numel
+from fsdp_course.i18n.messages import catalogue
 from fsdp_course.runtime.collectives import P2PWork
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.ledger import Record
 from fsdp_course.runtime.monitor import CollectiveMismatch
 
 __all__ = ["check_all_reduce", "check_ring_all_reduce"]
+
+T = catalogue("collectives", {
+    # all-reduce from reduce-scatter + all-gather
+    "mismatch": ("the ranks made different calls (or used different shapes): every rank must pad to the same length "
+                 "and call the same collectives in the same order",
+                 "各 rank 的调用不一致（或形状不同）：每个 rank 都必须填充到相同长度，并以相同顺序调用相同的集合通信"),
+    "called_all_reduce": ("rank {rank} called ctx.all_reduce (calls: {ops})",
+                          "rank {rank} 调用了 ctx.all_reduce（调用：{ops}）"),
+    "only_rs_ag": ("build it from ctx.reduce_scatter and ctx.all_gather only",
+                   "只用 ctx.reduce_scatter 和 ctx.all_gather 来实现"),
+    "made_calls": ("rank {rank} made the calls [{ops}]", "rank {rank} 的调用是 [{ops}]"),
+    "rs_then_ag": ("use ctx.reduce_scatter (sum the chunks), then ctx.all_gather (share them)",
+                   "先用 ctx.reduce_scatter（对各分块求和），再用 ctx.all_gather（把分块分享给所有 rank）"),
+    # the ring: exceptions
+    "deadlock": ("every rank waited for its send to finish before posting its recv, so no send could finish: per "
+                 "step, start the send without waiting (work = ctx.group.send([chunk], right, tag)), then "
+                 "ctx.group.recv([incoming], left, tag).wait(), then work.wait()",
+                 "每个 rank 都在发出 recv 之前等待自己的 send 完成，所以没有 send 能完成：每一步先启动 send 而不等待"
+                 "（work = ctx.group.send([chunk], right, tag)），再 ctx.group.recv([incoming], left, tag).wait()，"
+                 "最后 work.wait()"),
+    "unmatched": ("a rank finished while another still waited in a send or recv with it: every send needs the "
+                  "matching recv on its peer (same tag, same number of elements), and every recv its send",
+                  "一个 rank 已经结束，而另一个 rank 还在等待与它配对的 send 或 recv：每个 send 都需要对等方上有匹配的 "
+                  "recv（相同 tag、相同元素个数），每个 recv 也都需要对应的 send"),
+    "timed_out": ("a send or recv waited for a partner that never came: per step, every rank starts its send "
+                  "(work = ctx.group.send([chunk], right, tag)), waits for its recv from the left, then waits for "
+                  "the send; rank r sends to (r + 1) % N and receives from (r - 1) % N, with matching tags",
+                  "一个 send 或 recv 在等待一个永远不会出现的对等方：每一步，每个 rank 先启动 send（work = "
+                  "ctx.group.send([chunk], right, tag)），再等待从左邻居接收的 recv 完成，然后等待 send 完成；"
+                  "rank r 发给 (r + 1) % N，从 (r - 1) % N 接收，tag 要匹配"),
+    "contiguous": ("send and recv need contiguous tensors: use the chunks of a 1-D buffer (flat.chunk(n))",
+                   "send 和 recv 需要连续的张量：使用一维缓冲区的分块（flat.chunk(n)）"),
+    # the ring: its messages
+    "called_collectives": ("rank {rank} called the collective(s) {ops}", "rank {rank} 调用了集合通信 {ops}"),
+    "only_send_recv": ("build it from ctx.group.send and ctx.group.recv only: no ctx.all_reduce, "
+                       "ctx.reduce_scatter, ctx.all_gather or ctx.broadcast",
+                       "只用 ctx.group.send 和 ctx.group.recv 来实现：不用 ctx.all_reduce、ctx.reduce_scatter、"
+                       "ctx.all_gather 或 ctx.broadcast"),
+    "send_to": ("send to rank {peer}", "向 rank {peer} 的 send"),
+    "recv_from": ("recv from rank {peer}", "来自 rank {peer} 的 recv"),
+    "made_p2p": ("rank {rank} made {what}", "rank {rank} 发起了一次{what}"),
+    "neighbours": ("in a ring, rank r sends only to its right neighbour (r + 1) % N (here {right}) and "
+                   "receives only from its left neighbour (r - 1) % N (here {left})",
+                   "在环中，rank r 只发给右邻居 (r + 1) % N（这里是 {right}），只从左邻居 (r - 1) % N"
+                   "（这里是 {left}）接收"),
+    "ring_steps": ("a ring all-reduce is N - 1 steps of reduce-scatter, then N - 1 steps of all-gather, one chunk "
+                   "each", "环形全归约是 N - 1 步归约分散，再 N - 1 步全聚合，每步一个分块"),
+    "one_chunk_per_step": ("each step sends one chunk (padded numel / N elements), not the whole tensor: N - 1 "
+                           "steps to reduce-scatter, then N - 1 steps to all-gather",
+                           "每一步只发送一个分块（填充后的 numel / N 个元素），而不是整个张量：N - 1 步归约分散，"
+                           "再 N - 1 步全聚合"),
+    "too_few": ("too few messages: after the N - 1 reduce-scatter steps each rank holds one finished chunk; N - 1 "
+                "more steps pass the finished chunks round the ring (the all-gather half)",
+                "消息太少：N - 1 步归约分散之后，每个 rank 持有一个已完成的分块；还要再走 N - 1 步，"
+                "把这些已完成的分块沿环传递（全聚合那一半）"),
+    "send_count": ("rank {rank} made {sends} sends of {sent} elements in all, {recvs} recvs",
+                   "rank {rank} 发起了 {sends} 次 send，共 {sent} 个元素，以及 {recvs} 次 recv"),
+    # both: the caller's input, the values chunk by chunk
+    "input_modified": ("rank {rank}'s result is right, but your function changed the tensor it was given",
+                       "rank {rank} 的结果正确，但你的函数修改了传给它的张量"),
+    "work_on_copy": ("an all-reduce returns the sum and leaves the caller's tensor as it was (the caller may still "
+                     "need it): work on a copy, e.g. torch.cat of the flattened input and its padding, which is a new "
+                     "tensor even when the padding is empty (reshape(-1) and chunk() are views of the input)",
+                     "全归约返回总和，并保持调用者的张量不变（调用者可能还要用它）：在副本上计算，例如用 torch.cat "
+                     "拼接展平的输入和它的填充，即使填充为空，结果也是新张量（reshape(-1) 和 chunk() 都是输入的视图）"),
+    "chunk_moved": ("chunk {k} holds chunk {m}'s values: an index is off, most likely in the all-gather half; the "
+                    "chunk a rank receives from its left neighbour belongs at the index the neighbour sent it from",
+                    "分块 {k} 里是分块 {m} 的值：某个下标错了，最可能错在全聚合那一半；从左邻居收到的分块，"
+                    "应放到邻居发送它时所用的那个下标上"),
+    "added_twice": ("a contribution was added twice: in the all-gather half the finished chunks are received into "
+                    "place (overwriting), not added; and each rank's own chunk is added once",
+                    "有一份贡献被加了两次：在全聚合那一半，已完成的分块应直接接收到原位（覆盖原值），而不是相加；"
+                    "并且每个 rank 自己的分块只加一次"),
+    "missing": ("contributions are missing from a chunk: a recv overwrites its tensor, so in the reduce-scatter half "
+                "receive into a separate buffer and add it (chunk.add_(incoming)); each chunk must travel N - 1 steps "
+                "round the ring, collecting one contribution per step",
+                "某个分块缺少一些 rank 的贡献：recv 会覆盖接收它的那个张量，所以在归约分散那一半要接收到单独的缓冲区"
+                "再相加（chunk.add_(incoming)）；每个分块都要沿环走 N - 1 步，每步收集一份贡献"),
+    "or_unfinished": ("{missing}; or the all-gather half sent chunks that were not finished: after the "
+                      "reduce-scatter half, rank r holds the whole sum of chunk (r + 1) % N, the chunk it sends first",
+                      "{missing}；也可能是全聚合那一半发出了尚未完成的分块：归约分散那一半结束后，"
+                      "rank r 持有分块 (r + 1) % N 的完整总和，也就是它最先发送的那一块"),
+})
 
 
 # -- exercise 01: all-reduce from reduce-scatter + all-gather --------------------------------------
@@ -51,10 +137,9 @@ def _all_reduce_inputs(world_size: int, shape: tuple[int, ...]) -> list[torch.Te
     return [torch.randint(1, 10, shape, generator=g).float() for _ in range(world_size)]
 
 
-def _all_reduce_hint(exc: BaseException) -> str:
+def _all_reduce_hint(exc: BaseException) -> Message:
     if isinstance(exc, CollectiveMismatch):
-        return ("the ranks made different calls (or used different shapes): every rank must pad to the same "
-                "length and call the same collectives in the same order")
+        return T("mismatch")
     return exception_hint(exc)
 
 
@@ -124,11 +209,10 @@ def _check_one_all_reduce(check: str, n: int, shape: tuple[int, ...], inputs: li
             _input_modified(check, where, rank)
         ops = [r.op for r in records]
         if "all_reduce" in ops:
-            CheckFailure(check, where, f"rank {rank} called ctx.all_reduce (calls: {', '.join(ops)})",
-                         "build it from ctx.reduce_scatter and ctx.all_gather only").fail()
+            CheckFailure(check, where, T("called_all_reduce", rank=rank, ops=", ".join(ops)),
+                         T("only_rs_ag")).fail()
         if "reduce_scatter" not in ops or "all_gather" not in ops:
-            CheckFailure(check, where, f"rank {rank} made the calls [{', '.join(ops)}]",
-                         "use ctx.reduce_scatter (sum the chunks), then ctx.all_gather (share them)").fail()
+            CheckFailure(check, where, T("made_calls", rank=rank, ops=", ".join(ops)), T("rs_then_ag")).fail()
 
 
 # -- exercise 01b: ring all-reduce from point-to-point messages ------------------------------------
@@ -180,21 +264,16 @@ class _RecordingGroup:
 RING_SHAPES: tuple[tuple[int, ...], ...] = ((13,), (3, 5), (8,), (5,), (1,))  # large first: traffic shows
 
 
-def _ring_hint(exc: BaseException) -> str:
+def _ring_hint(exc: BaseException) -> Message:
     text = str(exc)
     if "deadlock: every rank" in text and "waits in send" in text:
-        return ("every rank waited for its send to finish before posting its recv, so no send could finish: per "
-                "step, start the send without waiting (work = ctx.group.send([chunk], right, tag)), then "
-                "ctx.group.recv([incoming], left, tag).wait(), then work.wait()")
+        return T("deadlock")
     if "ended without posting the matching send or recv" in text:
-        return ("a rank finished while another still waited in a send or recv with it: every send needs the "
-                "matching recv on its peer (same tag, same number of elements), and every recv its send")
+        return T("unmatched")
     if "Timed out waiting" in text or "timed out" in text.lower():
-        return ("a send or recv waited for a partner that never came: per step, every rank starts its send "
-                "(work = ctx.group.send([chunk], right, tag)), waits for its recv from the left, then waits for "
-                "the send; rank r sends to (r + 1) % N and receives from (r - 1) % N, with matching tags")
+        return T("timed_out")
     if "must be contiguous" in text or "contiguous" in text:
-        return "send and recv need contiguous tensors: use the chunks of a 1-D buffer (flat.chunk(n))"
+        return T("contiguous")
     return exception_hint(exc)
 
 
@@ -258,30 +337,26 @@ def _check_one_ring(check: str, n: int, shape: tuple[int, ...], inputs: list[tor
     where = f"world size {n}, input shape {shape}"
     for rank, (got, log, ops, modified) in enumerate(outputs):
         if ops:
-            CheckFailure(check, where, f"rank {rank} called the collective(s) {', '.join(ops)}",
-                         "build it from ctx.group.send and ctx.group.recv only: no ctx.all_reduce, "
-                         "ctx.reduce_scatter, ctx.all_gather or ctx.broadcast").fail()
+            CheckFailure(check, where, T("called_collectives", rank=rank, ops=", ".join(ops)),
+                         T("only_send_recv")).fail()
         right, left = (rank + 1) % n, (rank - 1) % n
         sends = [(peer, k) for op, peer, k in log if op == "send"]
         recvs = [(peer, k) for op, peer, k in log if op == "recv"]
-        wrong = [f"{op} {'to' if op == 'send' else 'from'} rank {peer}" for op, peer, _ in log
+        wrong = [T("send_to", peer=peer) if op == "send" else T("recv_from", peer=peer) for op, peer, _ in log
                  if (op == "send" and peer != right) or (op == "recv" and peer != left)]
         if wrong:
-            CheckFailure(check, where, f"rank {rank} made {wrong[0]}",
-                         f"in a ring, rank r sends only to its right neighbour (r + 1) % N (here {right}) and "
-                         f"receives only from its left neighbour (r - 1) % N (here {left})").fail()
+            CheckFailure(check, where, T("made_p2p", rank=rank, what=wrong[0]),
+                         T("neighbours", right=right, left=left)).fail()
         sent = sum(k for _, k in sends)
         if len(sends) != 2 * (n - 1) or sent != 2 * (n - 1) * chunk:
             expect = f"2(N-1) = {2 * (n - 1)} sends of one chunk of {chunk} elements ({2 * (n - 1) * chunk} in all)"
-            hint = "a ring all-reduce is N - 1 steps of reduce-scatter, then N - 1 steps of all-gather, one chunk each"
+            hint = T("ring_steps")
             if any(k != chunk for _, k in sends):
-                hint = ("each step sends one chunk (padded numel / N elements), not the whole tensor: N - 1 steps to "
-                        "reduce-scatter, then N - 1 steps to all-gather")
+                hint = T("one_chunk_per_step")
             elif len(sends) < 2 * (n - 1):
-                hint = ("too few messages: after the N - 1 reduce-scatter steps each rank holds one finished chunk; "
-                        "N - 1 more steps pass the finished chunks round the ring (the all-gather half)")
-            CheckFailure(check, where, f"rank {rank} made {len(sends)} sends of {sent} elements in all, "
-                         f"{len(recvs)} recvs", hint, [f"expected {expect}"]).fail()
+                hint = T("too_few")
+            CheckFailure(check, where, T("send_count", rank=rank, sends=len(sends), sent=sent, recvs=len(recvs)),
+                         hint, [f"expected {expect}"]).fail()
         _check_values(check, where, n, rank, inputs, expected, got, padded)
         if modified:
             _input_modified(check, where, rank)
@@ -289,10 +364,7 @@ def _check_one_ring(check: str, n: int, shape: tuple[int, ...], inputs: list[tor
 
 # -- shared by both: the values, chunk by chunk, and the caller's input ------------------------------
 def _input_modified(check: str, where: str, rank: int) -> None:
-    CheckFailure(check, where, f"rank {rank}'s result is right, but your function changed the tensor it was given",
-                 "an all-reduce returns the sum and leaves the caller's tensor as it was (the caller may still need "
-                 "it): work on a copy, e.g. torch.cat of the flattened input and its padding, which is a new tensor "
-                 "even when the padding is empty (reshape(-1) and chunk() are views of the input)").fail()
+    CheckFailure(check, where, T("input_modified", rank=rank), T("work_on_copy")).fail()
 
 
 def _check_values(check: str, where: str, n: int, rank: int, inputs: list[torch.Tensor], expected: torch.Tensor,
@@ -302,7 +374,7 @@ def _check_values(check: str, where: str, n: int, rank: int, inputs: list[torch.
         return
     problem, hint, details = found
     details = [f"rank {r} input {format_tensor(x)}" for r, x in enumerate(inputs)] + details
-    if hint.startswith("look at the first element"):  # values differ and no simple scale explains them
+    if hint == shared("first_difference"):  # values differ and no simple scale explains them
         diagnosis = chunk_diagnosis(inputs, got, n)
         if diagnosis is not None:
             lines, hint = diagnosis
@@ -310,7 +382,7 @@ def _check_values(check: str, where: str, n: int, rank: int, inputs: list[torch.
     CheckFailure(check, where, problem, hint, details).fail()
 
 
-def chunk_diagnosis(inputs: list[torch.Tensor], got: torch.Tensor, n: int) -> tuple[list[str], str] | None:
+def chunk_diagnosis(inputs: list[torch.Tensor], got: torch.Tensor, n: int) -> tuple[list[str], Message] | None:
     """What each wrong chunk of an all-reduce's result holds, in terms of the ranks' inputs, and a hint.
 
     The result is cut into the N chunks of the padded flat tensor. A wrong chunk k is solved for as a combination
@@ -351,18 +423,13 @@ def chunk_diagnosis(inputs: list[torch.Tensor], got: torch.Tensor, n: int) -> tu
             lines.append(f"{span} {_contributions(coeffs, own=True)}")
     if any(m != k for k, m, _ in found):
         k, m, _ = next(f for f in found if f[1] != f[0])
-        hint = (f"chunk {k} holds chunk {m}'s values: an index is off, most likely in the all-gather half; the "
-                "chunk a rank receives from its left neighbour belongs at the index the neighbour sent it from")
+        hint = T("chunk_moved", k=k, m=m)
     elif any(v > 1 for _, _, coeffs in found for v in coeffs):
-        hint = ("a contribution was added twice: in the all-gather half the finished chunks are received into place "
-                "(overwriting), not added; and each rank's own chunk is added once")
+        hint = T("added_twice")
     else:
-        hint = ("contributions are missing from a chunk: a recv overwrites its tensor, so in the reduce-scatter half "
-                "receive into a separate buffer and add it (chunk.add_(incoming)); each chunk must travel N - 1 steps "
-                "round the ring, collecting one contribution per step")
+        hint = T("missing")
         if all(sorted(coeffs) == [0] * (n - 1) + [1] for _, _, coeffs in found):  # each holds one rank's values
-            hint += ("; or the all-gather half sent chunks that were not finished: after the reduce-scatter half, "
-                     "rank r holds the whole sum of chunk (r + 1) % N, the chunk it sends first")
+            hint = T("or_unfinished", missing=hint)
     return lines, hint
 
 

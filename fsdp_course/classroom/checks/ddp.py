@@ -21,6 +21,7 @@ from torch import nn
 
 from fsdp_course.classroom.checks._common import (
     CheckFailure,
+    Message,
     exception_hint,
     format_tensor,
     require_callable,
@@ -37,6 +38,7 @@ from fsdp_course.engines.equivalence import (
     reference_steps,
     seeded_mlp,
 )
+from fsdp_course.i18n.messages import catalogue
 from fsdp_course.runtime.context import RankContext
 
 __all__ = ["check_broadcast_parameters", "check_ddp"]
@@ -44,27 +46,76 @@ __all__ = ["check_broadcast_parameters", "check_ddp"]
 SIZES = (6, 5, 3)  # Linear(6, 5) -> Tanh -> Linear(5, 3): parameters 0.weight, 0.bias, 2.weight, 2.bias
 STEPS, GLOBAL_BATCH, LR = 3, 12, 0.5  # 12 splits evenly over 1, 2, 3 and 4 ranks
 
+T = catalogue("ddp", {
+    # the broadcast
+    "not_broadcast": ("rank {rank}'s `{name}` differs from rank 0's initial value (max difference {diff:.4g})",
+                      "rank {rank} 的 `{name}` 与 rank 0 的初始值不同（最大差值 {diff:.4g}）"),
+    "own_values": ("rank {rank}'s `{name}` still holds its own initial values: broadcast every parameter from rank "
+                   "0, in place (for p in model.parameters(): ctx.broadcast(p.data, src=0))",
+                   "rank {rank} 的 `{name}` 还是它自己的初始值：从 rank 0 原地广播每个参数"
+                   "（for p in model.parameters(): ctx.broadcast(p.data, src=0)）"),
+    "other_rank": ("rank {rank}'s `{name}` holds rank {k}'s values: broadcast from src=0",
+                   "rank {rank} 的 `{name}` 是 rank {k} 的值：从 src=0 广播"),
+    "averaged": ("that is the average of the ranks' values: broadcast rank 0's values (ctx.broadcast), do not "
+                 "all-reduce them", "这是各 rank 值的平均：应广播 rank 0 的值（ctx.broadcast），不要全归约它们"),
+    "broadcast": ("broadcast copies rank 0's tensor into the same tensor on every rank: ctx.broadcast(p.data, src=0)",
+                  "广播把 rank 0 的张量拷贝到每个 rank 上的同一个张量里：ctx.broadcast(p.data, src=0)"),
+    "shows_more": ("{hint} (check_broadcast_parameters shows more)",
+                   "{hint}（check_broadcast_parameters 会给出更多信息）"),
+    "param_names": ("rank {rank}'s model has parameters {names}, expected {expected}",
+                    "rank {rank} 的模型的参数是 {names}，应为 {expected}"),
+    "in_place": ("change the parameters' values in place; do not add, remove or rename them",
+                 "原地修改参数的值；不要添加、删除或重命名参数"),
+    "new_object": ("rank {rank}'s `{name}` is a new tensor object", "rank {rank} 的 `{name}` 是一个新的张量对象"),
+    "copy_in_place": ("copy into the existing parameters in place (ctx.broadcast(p.data, src=0)): an optimizer built "
+                      "on model.parameters() still holds the old ones",
+                      "原地拷贝到已有的参数里（ctx.broadcast(p.data, src=0)）："
+                      "基于 model.parameters() 创建的优化器仍持有旧参数"),
+    # the gradients and the step
+    "no_grad": ("rank {rank}'s `{name}` has no gradient after backward", "反向之后，rank {rank} 的 `{name}` 没有梯度"),
+    "fill_grad": ("let autograd fill p.grad: a hook averages it, it does not replace it with None",
+                  "让 autograd 填充 p.grad：钩子对它求平均，而不是把它换成 None"),
+    "one_process": ("compare with one process on the whole batch: the average over ranks of the slices' gradients",
+                    "与单进程在整个批次上的结果比较：它等于各 rank 数据切片的梯度在各 rank 间的平均"),
+    "summed": ("rank {rank}'s gradient is {n}x the one-process gradient: the hooks summed it over the ranks; average "
+               "it (op='mean', or divide by ctx.world_size)",
+               "rank {rank} 的梯度是单进程梯度的 {n} 倍：钩子对各 rank 求了和；应求平均（op='mean'，或除以 "
+               "ctx.world_size）"),
+    "averaged_twice": ("rank {rank}'s gradient is {n}x too small: it was averaged twice (op='mean' and a division by "
+                       "the world size?)",
+                       "rank {rank} 的梯度只有应得值的 1/{n}：平均了两次（op='mean' 之外又除以了 world size？）"),
+    "own_slice": ("rank {rank}'s gradient is its own slice's gradient, not averaged over the ranks: register a hook "
+                  "on every parameter that all-reduces its gradient with op='mean' (p.register_hook(...) or "
+                  "p.register_post_accumulate_grad_hook(...))",
+                  "rank {rank} 的梯度只是它自己数据切片的梯度，没有在各 rank 间平均：给每个参数注册一个钩子，"
+                  "用 op='mean' 全归约它的梯度（p.register_hook(...) 或 p.register_post_accumulate_grad_hook(...)）"),
+    "grad_differs": ("rank {rank}'s gradient of `{name}` differs from one process's",
+                     "rank {rank} 上 `{name}` 的梯度与单进程的结果不同"),
+    "param_differs": ("rank {rank}'s `{name}` after the step differs from one process's (max difference {diff:.3g} "
+                      "relative)", "更新之后，rank {rank} 上的 `{name}` 与单进程的结果不同（相对最大差值 {diff:.3g}）"),
+    "step_unused": ("the gradients matched, so the step did not use them: do not change p.grad or the parameters "
+                    "after backward",
+                    "梯度是对的，所以是这一步更新没有用上它们：反向之后不要再修改 p.grad 或参数"),
+})
+
 
 def _rank_models(world_size: int) -> list[nn.Module]:
     """A different random model per rank (seed 100 + rank): only a broadcast makes them equal."""
     return [seeded_mlp(SIZES, seed=100 + r) for r in range(world_size)]
 
 
-def _broadcast_problem(rank: int, name: str, got: torch.Tensor, models: list[nn.Module]) -> tuple[str, str]:
+def _broadcast_problem(rank: int, name: str, got: torch.Tensor, models: list[nn.Module]) -> tuple[Message, Message]:
     """(problem, hint) for a parameter that does not hold rank 0's initial values after the broadcast."""
     originals = [dict(m.named_parameters())[name].detach() for m in models]
-    problem = f"rank {rank}'s `{name}` differs from rank 0's initial value (max difference " \
-              f"{float((got - originals[0]).abs().max()):.4g})"
+    problem = T("not_broadcast", rank=rank, name=name, diff=float((got - originals[0]).abs().max()))
     if close(got, originals[rank]):
-        return problem, (f"rank {rank}'s `{name}` still holds its own initial values: broadcast every parameter "
-                         "from rank 0, in place (for p in model.parameters(): ctx.broadcast(p.data, src=0))")
+        return problem, T("own_values", rank=rank, name=name)
     for k, original in enumerate(originals):
         if k and close(got, original):
-            return problem, f"rank {rank}'s `{name}` holds rank {k}'s values: broadcast from src=0"
+            return problem, T("other_rank", rank=rank, name=name, k=k)
     if close(got, torch.stack(originals).mean(0)):
-        return problem, ("that is the average of the ranks' values: broadcast rank 0's values (ctx.broadcast), "
-                         "do not all-reduce them")
-    return problem, "broadcast copies rank 0's tensor into the same tensor on every rank: ctx.broadcast(p.data, src=0)"
+        return problem, T("averaged")
+    return problem, T("broadcast")
 
 
 def _run_broadcast(check: str, name: str, fn: Callable[[RankContext, nn.Module], Any], n: int) -> None:
@@ -81,13 +132,12 @@ def _run_broadcast(check: str, name: str, fn: Callable[[RankContext, nn.Module],
         names = [n_ for n_, _, _ in params]
         expected = [n_ for n_, _ in models[0].named_parameters()]
         if names != expected:
-            CheckFailure(check, f"world size {n}", f"rank {rank}'s model has parameters {names}, expected {expected}",
-                         "change the parameters' values in place; do not add, remove or rename them").fail()
+            CheckFailure(check, f"world size {n}", T("param_names", rank=rank, names=names, expected=expected),
+                         T("in_place")).fail()
         for pname, got, same_object in params:
             if not same_object:
-                CheckFailure(check, f"world size {n}", f"rank {rank}'s `{pname}` is a new tensor object",
-                             "copy into the existing parameters in place (ctx.broadcast(p.data, src=0)): an optimizer "
-                             "built on model.parameters() still holds the old ones").fail()
+                CheckFailure(check, f"world size {n}", T("new_object", rank=rank, name=pname),
+                             T("copy_in_place")).fail()
             if not close(got, dict(models[0].named_parameters())[pname].detach(), 0.0):
                 problem, hint = _broadcast_problem(rank, pname, got, models)
                 CheckFailure(check, f"world size {n}", problem, hint).fail()
@@ -154,7 +204,7 @@ def check_ddp(broadcast_parameters: Callable[[RankContext, nn.Module], Any],
                 if not close(value, dict(base.named_parameters())[pname].detach(), 0.0):
                     problem, hint = _broadcast_problem(rank, pname, value, models)
                     CheckFailure(check, f"world size {n}, before training", problem,
-                                 hint + " (check_broadcast_parameters shows more)").fail()
+                                 T("shows_more", hint=hint)).fail()
         for step in range(1, STEPS + 1):
             for rank, (_, steps) in enumerate(per_rank):
                 grads, params = steps[step - 1]
@@ -170,33 +220,25 @@ def _compare_step(check: str, n: int, rank: int, step: int, grads: dict[str, tor
     for pname, expected in ref.grads.items():
         got = grads.get(pname)
         if got is None:
-            CheckFailure(check, where, f"rank {rank}'s `{pname}` has no gradient after backward",
-                         "let autograd fill p.grad: a hook averages it, it does not replace it with None").fail()
+            CheckFailure(check, where, T("no_grad", rank=rank, name=pname), T("fill_grad")).fail()
         if close(got, expected):
             continue
         details = [f"one process {format_tensor(expected, 8)}", f"rank {rank}    {format_tensor(got, 8)}",
                    f"max difference {max_rel_diff(got, expected):.3g} relative to the largest value"]
         c = scale_ratio(got, expected, rtol=1e-3)
-        hint = "compare with one process on the whole batch: the average over ranks of the slices' gradients"
+        hint = T("one_process")
         if c is not None and n > 1 and abs(c / n - 1) < 1e-3:
-            hint = (f"rank {rank}'s gradient is {n}x the one-process gradient: the hooks summed it over the ranks; "
-                    "average it (op='mean', or divide by ctx.world_size)")
+            hint = T("summed", rank=rank, n=n)
         elif c is not None and n > 1 and abs(c * n - 1) < 1e-3:
-            hint = (f"rank {rank}'s gradient is {n}x too small: it was averaged twice (op='mean' and a division "
-                    "by the world size?)")
+            hint = T("averaged_twice", rank=rank, n=n)
         elif step == 1 and n > 1:
             local = local_grads(base, local_slice(batches[0], rank, n))[pname]
             if close(got, local):
-                hint = (f"rank {rank}'s gradient is its own slice's gradient, not averaged over the ranks: register "
-                        "a hook on every parameter that all-reduces its gradient with op='mean' "
-                        "(p.register_hook(...) or p.register_post_accumulate_grad_hook(...))")
-        CheckFailure(check, where, f"rank {rank}'s gradient of `{pname}` differs from one process's", hint,
-                     details).fail()
+                hint = T("own_slice", rank=rank)
+        CheckFailure(check, where, T("grad_differs", rank=rank, name=pname), hint, details).fail()
     for pname, expected in ref.params.items():
         got = params[pname]
         if not close(got, expected):
-            CheckFailure(check, where, f"rank {rank}'s `{pname}` after the step differs from one process's "
-                         f"(max difference {max_rel_diff(got, expected):.3g} relative)",
-                         "the gradients matched, so the step did not use them: do not change p.grad or the "
-                         "parameters after backward").fail()
+            CheckFailure(check, where, T("param_differs", rank=rank, name=pname, diff=max_rel_diff(got, expected)),
+                         T("step_unused")).fail()
 

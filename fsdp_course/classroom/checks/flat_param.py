@@ -27,6 +27,7 @@ from fsdp_course.classroom.checks._common import (
     run_checked,
 )
 from fsdp_course.fsdp.flat_param import FlatParamLayout
+from fsdp_course.i18n.messages import catalogue
 from fsdp_course.runtime.context import RankContext
 
 __all__ = ["check_flat_param"]
@@ -39,6 +40,73 @@ SHAPE_CASES: tuple[tuple[tuple[int, ...], ...], ...] = (
 )
 WORLD_SIZES = (1, 2, 3, 4, 5)
 GATHER_WORLD_SIZES = (2, 3, 4)
+
+T = catalogue("flat_param", {
+    "changed_input": ("{name} changed its input tensors", "{name} 修改了传给它的输入张量"),
+    "new_tensor": ("build a new tensor (torch.cat) and leave the parameters as they are",
+                   "新建一个张量（torch.cat），保持参数不变"),
+    "not_tensor": ("{name} returned {kind}, not a tensor", "{name} 返回了 {kind}，不是张量"),
+    "return_flat": ("return the flat, padded 1-D tensor", "返回填充后的一维展平张量"),
+    "not_1d": ("the flat tensor has shape {shape}, not 1-D", "展平参数的形状是 {shape}，不是一维的"),
+    "flatten_cat": ("flatten every tensor with t.reshape(-1) and concatenate them with torch.cat",
+                    "用 t.reshape(-1) 展平每个张量，再用 torch.cat 把它们拼接起来"),
+    "pad_to": ("{numel} elements over {n} ranks: pad with zeros to the next multiple of {n}, ceil({numel} / {n}) * {n} "
+               "= {padded}",
+               "{numel} 个元素分给 {n} 个 rank：用零填充到 {n} 的下一个倍数，即 ceil({numel} / {n}) * {n} = {padded}"),
+    "one_rank": ("one rank holds everything, so there is nothing to pad: the flat tensor is the {numel} elements laid "
+                 "end to end (pad by (-numel) % world_size zeros, which is 0 here)",
+                 "只有一个 rank 时它持有全部元素，所以无需填充：展平参数就是首尾相接的 {numel} 个元素（填充 (-numel) % "
+                 "world_size 个零，这里是 0）"),
+    "no_padding": ("no padding: {hint}", "没有填充：{hint}"),
+    "numel": ("the flat tensor has {got} elements, expected {expected}", "展平参数有 {got} 个元素，应为 {expected}"),
+    "dtype": ("dtype {got}, expected {expected}", "dtype 是 {got}，应为 {expected}"),
+    "keep_dtype": ("keep the parameters' dtype: pad with flat.new_zeros(k)",
+                   "保持参数的 dtype：用 flat.new_zeros(k) 来填充"),
+    "padding_zeros": ("the padding must be zeros, at the end (its gradient is then 0 and it changes no sum)",
+                      "填充必须是零，且放在末尾（这样它的梯度为 0，不改变任何求和）"),
+    "wrong_order": ("right values, wrong order: lay the tensors end to end in the order given, each row by row",
+                    "数值对，顺序错：按给定顺序把张量首尾相接，每个张量按行展开"),
+    "holds_values": ("the flat tensor holds each tensor's values, in order (t.reshape(-1)), then zeros",
+                     "展平参数依次包含每个张量的值（t.reshape(-1)），然后是零"),
+    "values_differ": ("the flat tensor's values differ", "展平参数的值不对"),
+    "range_returned": ("shard_range(..., rank={r}) returned {got}", "shard_range(..., rank={r}) 返回了 {got}"),
+    "return_pair": ("return a pair of ints (start, end)", "返回一对 int：(start, end)"),
+    "article_bug": ("rank {last}'s shard has {short} elements, the others {size}: this is the article's bug. Every "
+                    "shard must have ceil(numel / N) = {shard} elements: the padding fills the last",
+                    "rank {last} 的分片有 {short} 个元素，其余分片有 {size} 个：这正是文章的 bug。"
+                    "每个分片都必须有 ceil(numel / N) = {shard} 个元素：最后一个分片由填充补齐"),
+    "not_whole": ("{numel} / {n} is not whole: shards have ceil(numel / N) = {shard} elements, not floor(numel / N), "
+                  "or the last elements belong to no rank",
+                  "{numel} / {n} 不是整数：分片应有 ceil(numel / N) = {shard} 个元素，而不是 floor(numel / N)，"
+                  "否则最后几个元素不属于任何 rank"),
+    "rank_r": ("rank r's shard is [r * s, (r + 1) * s) with s = ceil(numel / N) = {shard}: equal shards, in rank "
+               "order, covering the padded buffer",
+               "rank r 的分片是 [r * s, (r + 1) * s)，其中 s = ceil(numel / N) = {shard}：大小相等，按 rank 顺序，"
+               "覆盖填充后的缓冲区"),
+    "range": ("rank {r}'s range is {got}, expected {expected}", "rank {r} 的区间是 {got}，应为 {expected}"),
+    "returned_length": ("{name} returned {kind} of length {length}", "{name} 返回了长度为 {length} 的 {kind}"),
+    "returned_kind": ("{name} returned {kind} ", "{name} 返回了 {kind}"),  # the space: as the English always was
+    "one_per_shape": ("return a list with one tensor per shape ({count})",
+                      "返回一个列表，每个形状一个张量（共 {count} 个）"),
+    "tensor_shape": ("tensor {i} is {got}, expected shape {shape}", "张量 {i} 是 {got}，应为形状 {shape}"),
+    "cut_view": ("cut numel elements for each shape, then .view(shape)",
+                 "为每个形状切出 numel 个元素，再 .view(shape)"),
+    "other_values": ("tensor {i} holds other values", "张量 {i} 的值不对"),
+    "running_offset": ("tensor i starts where tensor i - 1 ended: keep a running offset",
+                       "张量 i 从张量 i - 1 结束的位置开始：维护一个累加的偏移量"),
+    "copy": ("tensor {i} is a copy, not a view of the flat buffer", "张量 {i} 是副本，不是展平缓冲区的视图"),
+    "shares_memory": ("flat[a:b].view(shape) shares flat's memory; torch.tensor(...), .clone() or torch.cat copy, and "
+                      "then gathering into the flat buffer no longer updates the parameters",
+                      "flat[a:b].view(shape) 与 flat 共享内存；torch.tensor(...)、.clone() 或 torch.cat 都会拷贝，"
+                      "之后全聚合到展平缓冲区就不再更新参数了"),
+    "views_unchanged": ("after flat.add_(100) the views did not change", "执行 flat.add_(100) 之后，视图没有跟着变化"),
+    "return_views": ("return views of flat (flat[a:b].view(shape)), not copies",
+                     "返回 flat 的视图（flat[a:b].view(shape)），而不是副本"),
+    "rebuilt_differs": ("parameter {i} rebuilt from the gathered shards differs",
+                        "由全聚合的分片重建出的参数 {i} 不对"),
+    "each_step": ("flatten, take the shard, all_gather, unflatten: each step must agree",
+                  "展平、取分片、all_gather、还原成视图：每一步都必须彼此一致"),
+})
 
 
 def _tensors(shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
@@ -94,36 +162,30 @@ def _check_flatten(check: str, name: str, fn: Callable, shapes: Sequence[tuple[i
     expected = layout.flatten(_tensors(shapes))
     got = call_learner(check, name, fn, inputs, n, where=where)
     if not all(torch.equal(t, e) for t, e in zip(inputs, _tensors(shapes), strict=True)):
-        CheckFailure(check, where, f"{name} changed its input tensors",
-                     "build a new tensor (torch.cat) and leave the parameters as they are").fail()
+        CheckFailure(check, where, T("changed_input", name=name), T("new_tensor")).fail()
     if not isinstance(got, torch.Tensor):
-        CheckFailure(check, where, f"{name} returned {type(got).__name__}, not a tensor",
-                     "return the flat, padded 1-D tensor").fail()
+        CheckFailure(check, where, T("not_tensor", name=name, kind=type(got).__name__), T("return_flat")).fail()
     details = [f"expected {format_tensor(expected, 20)}", f"got      {format_tensor(got, 20)}"]
     if got.dim() != 1:
-        CheckFailure(check, where, f"the flat tensor has shape {tuple(got.shape)}, not 1-D", "flatten every tensor "
-                     "with t.reshape(-1) and concatenate them with torch.cat", details).fail()
+        CheckFailure(check, where, T("not_1d", shape=tuple(got.shape)), T("flatten_cat"), details).fail()
     if got.numel() != layout.padded_numel:
-        hint = (f"{layout.numel} elements over {n} ranks: pad with zeros to the next multiple of {n}, "
-                f"ceil({layout.numel} / {n}) * {n} = {layout.padded_numel}")
+        hint = T("pad_to", numel=layout.numel, n=n, padded=layout.padded_numel)
         if n == 1:
-            hint = (f"one rank holds everything, so there is nothing to pad: the flat tensor is the {layout.numel} "
-                    "elements laid end to end (pad by (-numel) % world_size zeros, which is 0 here)")
+            hint = T("one_rank", numel=layout.numel)
         elif got.numel() == layout.numel:
-            hint = f"no padding: {hint}"
-        CheckFailure(check, where, f"the flat tensor has {got.numel()} elements, expected {layout.padded_numel}",
-                     hint, details).fail()
+            hint = T("no_padding", hint=hint)
+        CheckFailure(check, where, T("numel", got=got.numel(), expected=layout.padded_numel), hint, details).fail()
     if got.dtype != expected.dtype:
-        CheckFailure(check, where, f"dtype {got.dtype}, expected {expected.dtype}",
-                     "keep the parameters' dtype: pad with flat.new_zeros(k)", details).fail()
+        CheckFailure(check, where, T("dtype", got=got.dtype, expected=expected.dtype), T("keep_dtype"),
+                     details).fail()
     if not torch.equal(got, expected):
         if not torch.equal(got[layout.numel:], expected[layout.numel:]):
-            hint = "the padding must be zeros, at the end (its gradient is then 0 and it changes no sum)"
+            hint = T("padding_zeros")
         elif torch.equal(got.sort().values, expected.sort().values):
-            hint = "right values, wrong order: lay the tensors end to end in the order given, each row by row"
+            hint = T("wrong_order")
         else:
-            hint = "the flat tensor holds each tensor's values, in order (t.reshape(-1)), then zeros"
-        CheckFailure(check, where, "the flat tensor's values differ", hint, details).fail()
+            hint = T("holds_values")
+        CheckFailure(check, where, T("values_differ"), hint, details).fail()
 
 
 def _check_ranges(check: str, name: str, fn: Callable, shapes: Sequence[tuple[int, ...]], n: int) -> None:
@@ -134,23 +196,18 @@ def _check_ranges(check: str, name: str, fn: Callable, shapes: Sequence[tuple[in
     expected = [layout.shard_range(r) for r in range(n)]
     for r, (g, e) in enumerate(zip(got, expected, strict=True)):
         if not (isinstance(g, tuple | list) and len(g) == 2 and all(isinstance(v, int) for v in g)):
-            CheckFailure(check, where, f"shard_range(..., rank={r}) returned {g!r}",
-                         "return a pair of ints (start, end)").fail()
+            CheckFailure(check, where, T("range_returned", r=r, got=repr(g)), T("return_pair")).fail()
         if tuple(g) == e:
             continue
         sizes = [b - a for a, b in got]
         details = [f"expected {', '.join(map(str, expected))}", f"got      {', '.join(str(tuple(x)) for x in got)}"]
         if len(set(sizes)) > 1 and tuple(got[-1])[1] == layout.numel:
-            hint = (f"rank {n - 1}'s shard has {sizes[-1]} elements, the others {sizes[0]}: this is the article's "
-                    f"bug. Every shard must have ceil(numel / N) = {layout.shard_numel} elements: the padding fills "
-                    "the last")
+            hint = T("article_bug", last=n - 1, short=sizes[-1], size=sizes[0], shard=layout.shard_numel)
         elif sizes[r] == layout.numel // n and layout.numel % n:
-            hint = (f"{layout.numel} / {n} is not whole: shards have ceil(numel / N) = {layout.shard_numel} elements, "
-                    "not floor(numel / N), or the last elements belong to no rank")
+            hint = T("not_whole", numel=layout.numel, n=n, shard=layout.shard_numel)
         else:
-            hint = (f"rank r's shard is [r * s, (r + 1) * s) with s = ceil(numel / N) = {layout.shard_numel}: equal "
-                    "shards, in rank order, covering the padded buffer")
-        CheckFailure(check, where, f"rank {r}'s range is {tuple(g)}, expected {e}", hint, details).fail()
+            hint = T("rank_r", shard=layout.shard_numel)
+        CheckFailure(check, where, T("range", r=r, got=tuple(g), expected=e), hint, details).fail()
 
 
 def _check_views(check: str, name: str, fn: Callable, shapes: Sequence[tuple[int, ...]]) -> None:
@@ -159,25 +216,22 @@ def _check_views(check: str, name: str, fn: Callable, shapes: Sequence[tuple[int
     where = f"shapes {', '.join(map(str, shapes))}, flat buffer of {flat.numel()} (padded for 4 ranks)"
     got = call_learner(check, name, fn, flat, [tuple(s) for s in shapes], where=where)
     if not isinstance(got, list | tuple) or len(got) != len(shapes):
-        CheckFailure(check, where, f"{name} returned {type(got).__name__} "
-                     f"{'of length ' + str(len(got)) if isinstance(got, list | tuple) else ''}",
-                     f"return a list with one tensor per shape ({len(shapes)})").fail()
+        kind = type(got).__name__
+        problem = (T("returned_length", name=name, kind=kind, length=len(got)) if isinstance(got, list | tuple)
+                   else T("returned_kind", name=name, kind=kind))
+        CheckFailure(check, where, problem, T("one_per_shape", count=len(shapes))).fail()
     for i, (v, shape, original) in enumerate(zip(got, shapes, _tensors(shapes), strict=True)):
         if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(shape):
-            CheckFailure(check, where, f"tensor {i} is {format_tensor(v) if isinstance(v, torch.Tensor) else v!r}, "
-                         f"expected shape {shape}", "cut numel elements for each shape, then .view(shape)").fail()
+            shown = repr(format_tensor(v) if isinstance(v, torch.Tensor) else v)  # a tensor's text in quotes, as ever
+            CheckFailure(check, where, T("tensor_shape", i=i, got=shown, shape=shape), T("cut_view")).fail()
         if not torch.equal(v, original):
-            CheckFailure(check, where, f"tensor {i} holds other values",
-                         "tensor i starts where tensor i - 1 ended: keep a running offset",
+            CheckFailure(check, where, T("other_values", i=i), T("running_offset"),
                          [f"expected {format_tensor(original)}", f"got      {format_tensor(v)}"]).fail()
         if v.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
-            CheckFailure(check, where, f"tensor {i} is a copy, not a view of the flat buffer",
-                         "flat[a:b].view(shape) shares flat's memory; torch.tensor(...), .clone() or torch.cat copy, "
-                         "and then gathering into the flat buffer no longer updates the parameters").fail()
+            CheckFailure(check, where, T("copy", i=i), T("shares_memory")).fail()
     flat.add_(100)
     if not all(torch.equal(v, t + 100) for v, t in zip(got, _tensors(shapes), strict=True)):
-        CheckFailure(check, where, "after flat.add_(100) the views did not change",
-                     "return views of flat (flat[a:b].view(shape)), not copies").fail()
+        CheckFailure(check, where, T("views_unchanged"), T("return_views")).fail()
 
 
 def _check_round_trip(check: str, flatten: Callable, shard_range: Callable, unflatten: Callable, n: int) -> None:
@@ -193,6 +247,5 @@ def _check_round_trip(check: str, flatten: Callable, shard_range: Callable, unfl
     for rank, tensors in enumerate(per_rank):
         for i, (got, expected) in enumerate(zip(tensors, _tensors(shapes), strict=True)):
             if not torch.equal(got, expected):
-                CheckFailure(check, f"world size {n}, rank {rank}", f"parameter {i} rebuilt from the gathered shards "
-                             "differs", "flatten, take the shard, all_gather, unflatten: each step must agree",
+                CheckFailure(check, f"world size {n}, rank {rank}", T("rebuilt_differs", i=i), T("each_step"),
                              [f"expected {format_tensor(expected)}", f"got      {format_tensor(got)}"]).fail()

@@ -47,6 +47,7 @@ from fsdp_course.engines.equivalence import (
     seeded_mlp,
 )
 from fsdp_course.fsdp.flat_param import FlatParamLayout
+from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.runtime.context import RankContext
 
 __all__ = ["check_fsdp_unit"]
@@ -56,26 +57,90 @@ UNIT_INDICES = (0, 2, 4)
 STEPS, GLOBAL_BATCH, LR = 3, 12, 0.5
 ACCUMULATE_STEP = 2  # this step runs two forward/backward passes (each on half the loss) before the step
 
+T = catalogue("fsdp_unit", {
+    "freed_backward": ("a unit's backward ran while its parameters were freed: post_forward must make backward call "
+                       "pre_backward first (output.register_hook(lambda grad: self.pre_backward())), and pre_backward "
+                       "must gather them again (self.unshard())",
+                       "一个单元在参数已被释放时执行了反向：post_forward 必须让反向先调用 pre_backward"
+                       "（output.register_hook(lambda grad: self.pre_backward())），pre_backward 必须重新全聚合参数"
+                       "（self.unshard()）"),
+    "full_data": ("gather into self.full.data, not self.full: self.full is a leaf that requires grad (its views are "
+                  "saved for backward), so autograd forbids writing into it in place",
+                  "全聚合到 self.full.data，而不是 self.full：self.full 是 requires grad 的叶子张量（它的视图被保存"
+                  "用于反向），所以 autograd 禁止原地写入它"),
+    "grad_size": ("self.shard.grad must have the shard's shape (padded_numel // N,): reduce-scatter self.full.grad "
+                  "(op='mean') so that each rank keeps its own chunk",
+                  "self.shard.grad 必须是分片的形状 (padded_numel // N,)：对 self.full.grad 做归约分散（op='mean'），"
+                  "让每个 rank 保留自己的分块"),
+    "point_views": ("in pre_forward, point the module at views of self.full (self.layout.unflatten(self.full))",
+                    "在 pre_forward 里让模块使用 self.full 的视图（self.layout.unflatten(self.full)）"),
+    "lost_params": ("the module lost its parameters when the unit was built: pre_forward must set them "
+                    "(self.set_params(self.layout.unflatten(self.full)))",
+                    "构建单元时模块失去了它的参数：pre_forward 必须重新设置它们"
+                    "（self.set_params(self.layout.unflatten(self.full))）"),
+    "full_grad_holds": ("self.full.grad holds the unit's gradient when post_backward runs: reduce-scatter it",
+                        "post_backward 运行时，self.full.grad 持有该单元的梯度：对它做归约分散"),
+    "same_views": ("unit {k}'s module used the same parameter views as in its previous forward",
+                   "单元 {k} 的模块使用了与上一次前向相同的参数视图"),
+    "fresh_views": ("make fresh views in every pre_forward (self.set_params(self.layout.unflatten(self.full))): views "
+                    "kept from an earlier forward belong to that forward's autograd graph; made under torch.no_grad() "
+                    "(an evaluation pass) they would carry no gradient at all",
+                    "在每次 pre_forward 里重新生成视图（self.set_params(self.layout.unflatten(self.full))）：之前前向"
+                    "留下的视图属于那次前向的 autograd 图；在 torch.no_grad()（评估）下生成的视图根本不带梯度"),
+    "held_after_forward": ("after its forward, unit {k} still holds its gathered parameters ({held} B)",
+                           "前向之后，单元 {k} 仍持有全聚合的参数（{held} B）"),
+    "free_post_forward": ("free them in post_forward: self.reshard() (self.full.untyped_storage().resize_(0))",
+                          "在 post_forward 里释放它们：self.reshard()（self.full.untyped_storage().resize_(0)）"),
+    "full_grad_alive": ("after backward, unit {k}'s full gradient (self.full.grad) is still alive",
+                        "反向之后，单元 {k} 的完整梯度（self.full.grad）仍然存在"),
+    "drop_full_grad": ("after the reduce-scatter, drop it: self.full.grad = None (only the chunk is kept)",
+                       "归约分散之后丢掉它：self.full.grad = None（只保留分块）"),
+    "held_after_backward": ("after backward, unit {k} still holds its gathered parameters ({held} B)",
+                            "反向之后，单元 {k} 仍持有全聚合的参数（{held} B）"),
+    "free_post_backward": ("free them at the end of post_backward: self.reshard()",
+                           "在 post_backward 的末尾释放它们：self.reshard()"),
+    "no_grad": ("unit {k}'s shard has no gradient after backward", "反向之后，单元 {k} 的分片没有梯度"),
+    "reduce_into": ("in post_backward, reduce-scatter self.full.grad (op='mean') into self.shard.grad",
+                    "在 post_backward 里把 self.full.grad 归约分散（op='mean'）到 self.shard.grad"),
+    "shard_grad_shape": ("unit {k}'s shard.grad has shape {shape}", "单元 {k} 的 shard.grad 形状是 {shape}"),
+    "reduce_full": ("shard.grad must have the shard's shape ({numel},): reduce-scatter the full gradient, so each rank "
+                    "keeps its chunk",
+                    "shard.grad 必须是分片的形状 ({numel},)：对完整梯度做归约分散，让每个 rank 保留自己的分块"),
+    "averaged_chunk": ("the averaged gradient's chunk r: ctx.reduce_scatter(self.full.grad, op='mean'), with the "
+                       "forward and backward both using the gathered parameters",
+                       "应为平均梯度的分块 r：ctx.reduce_scatter(self.full.grad, op='mean')，且前向和反向都使用全聚合"
+                       "的参数"),
+    "half": ("rank {rank}'s gradient chunk is half of one process's after two backward passes: the second overwrote "
+             "the first's gradient; accumulate, as autograd does: self.shard.grad = chunk if self.shard.grad is None "
+             "else self.shard.grad + chunk",
+             "两次反向之后，rank {rank} 的梯度分块只有单进程的一半：第二次覆盖了第一次的梯度；要像 autograd 那样累加："
+             "self.shard.grad = chunk if self.shard.grad is None else self.shard.grad + chunk"),
+    "too_large": ("rank {rank}'s gradient chunk is {n}x too large: did you average over the world size (op='mean')?",
+                  "rank {rank} 的梯度分块是应得值的 {n} 倍：是否按 world size 取了平均（op='mean'）？"),
+    "too_small": ("rank {rank}'s gradient chunk is {n}x too small: it was averaged twice",
+                  "rank {rank} 的梯度分块只有应得值的 1/{n}：平均了两次"),
+    "chunk_differs": ("unit {k}'s gradient chunk differs from one process's", "单元 {k} 的梯度分块与单进程的结果不同"),
+    "shard_differs": ("unit {k}'s parameter shard after the step differs from one process's",
+                      "更新之后，单元 {k} 的参数分片与单进程的结果不同"),
+    "step_shard": ("the optimizer steps self.shard: keep the shard an nn.Parameter, and gather from it",
+                   "优化器更新的是 self.shard：让分片保持为 nn.Parameter，并从它全聚合"),
+})
 
-def _unit_hint(exc: BaseException) -> str:
+
+def _unit_hint(exc: BaseException) -> Message:
     text = str(exc)
     if "out of bounds for storage of size 0" in text:
-        return ("a unit's backward ran while its parameters were freed: post_forward must make backward call "
-                "pre_backward first (output.register_hook(lambda grad: self.pre_backward())), and pre_backward must "
-                "gather them again (self.unshard())")
+        return T("freed_backward")
     if "modified inplace" in text or "modified by an inplace operation" in text:
-        return ("gather into self.full.data, not self.full: self.full is a leaf that requires grad (its views are "
-                "saved for backward), so autograd forbids writing into it in place")
+        return T("full_data")
     if "attempting to assign a gradient of size" in text:
-        return ("self.shard.grad must have the shard's shape (padded_numel // N,): reduce-scatter self.full.grad "
-                "(op='mean') so that each rank keeps its own chunk")
+        return T("grad_size")
     if "does not require grad" in text or "grad_fn" in text:
-        return "in pre_forward, point the module at views of self.full (self.layout.unflatten(self.full))"
+        return T("point_views")
     if "has no attribute 'weight'" in text or "has no attribute 'bias'" in text:
-        return ("the module lost its parameters when the unit was built: pre_forward must set them "
-                "(self.set_params(self.layout.unflatten(self.full)))")
+        return T("lost_params")
     if "'NoneType'" in text and "grad" in text:
-        return "self.full.grad holds the unit's gradient when post_backward runs: reduce-scatter it"
+        return T("full_grad_holds")
     return exception_hint(exc)
 
 
@@ -161,53 +226,40 @@ def _compare(check: str, n: int, rank: int, step: int, record: Any, ref: Any, la
     if step == ACCUMULATE_STEP:
         where += " (two forward and backward passes, each on half the loss, before the optimizer step)"
     for k in reused:
-        CheckFailure(check, where, f"unit {k}'s module used the same parameter views as in its previous forward",
-                     "make fresh views in every pre_forward (self.set_params(self.layout.unflatten(self.full))): views "
-                     "kept from an earlier forward belong to that forward's autograd graph; made under torch.no_grad() "
-                     "(an evaluation pass) they would carry no gradient at all").fail()
+        CheckFailure(check, where, T("same_views", k=k), T("fresh_views")).fail()
     for k, held in freed_after_forward:
         if held:
-            CheckFailure(check, where, f"after its forward, unit {k} still holds its gathered parameters ({held} B)",
-                         "free them in post_forward: self.reshard() (self.full.untyped_storage().resize_(0))").fail()
+            CheckFailure(check, where, T("held_after_forward", k=k, held=held), T("free_post_forward")).fail()
     for k, (held, has_grad) in enumerate(after_backward):
         if has_grad:
-            CheckFailure(check, where, f"after backward, unit {k}'s full gradient (self.full.grad) is still alive",
-                         "after the reduce-scatter, drop it: self.full.grad = None (only the chunk is kept)").fail()
+            CheckFailure(check, where, T("full_grad_alive", k=k), T("drop_full_grad")).fail()
         if held:
-            CheckFailure(check, where, f"after backward, unit {k} still holds its gathered parameters ({held} B)",
-                         "free them at the end of post_backward: self.reshard()").fail()
+            CheckFailure(check, where, T("held_after_backward", k=k, held=held), T("free_post_backward")).fail()
     for k, layout in enumerate(layouts):
         infos = layout.infos
         full_grad = layout.flatten([ref.grads[f"{UNIT_INDICES[k]}.{i.name}"] for i in infos])
         expected = layout.shard(full_grad, rank)
         got = grads[k]
         if got is None:
-            CheckFailure(check, where, f"unit {k}'s shard has no gradient after backward",
-                         "in post_backward, reduce-scatter self.full.grad (op='mean') into self.shard.grad").fail()
+            CheckFailure(check, where, T("no_grad", k=k), T("reduce_into")).fail()
         details = [f"expected {format_tensor(expected, 8)}", f"got      {format_tensor(got, 8)}"]
         if tuple(got.shape) != tuple(expected.shape):
-            hint = (f"shard.grad must have the shard's shape ({layout.shard_numel},): reduce-scatter the full "
-                    "gradient, so each rank keeps its chunk")
-            CheckFailure(check, where, f"unit {k}'s shard.grad has shape {tuple(got.shape)}", hint, details).fail()
+            CheckFailure(check, where, T("shard_grad_shape", k=k, shape=tuple(got.shape)),
+                         T("reduce_full", numel=layout.shard_numel), details).fail()
         if not close(got, expected):
             c = scale_ratio(got, expected, rtol=1e-3)
-            hint = ("the averaged gradient's chunk r: ctx.reduce_scatter(self.full.grad, op='mean'), "
-                    "with the forward and backward both using the gathered parameters")
+            hint = T("averaged_chunk")
             if c is not None and step == ACCUMULATE_STEP and abs(c * 2 - 1) < 1e-3:  # step 1 was right
-                hint = (f"rank {rank}'s gradient chunk is half of one process's after two backward passes: the "
-                        "second overwrote the first's gradient; accumulate, as autograd does: self.shard.grad = chunk "
-                        "if self.shard.grad is None else self.shard.grad + chunk")
+                hint = T("half", rank=rank)
             elif c is not None and n > 1 and abs(c / n - 1) < 1e-3:
-                hint = (f"rank {rank}'s gradient chunk is {n}x too large: did you average over the world size "
-                        "(op='mean')?")
+                hint = T("too_large", rank=rank, n=n)
             elif c is not None and n > 1 and abs(c * n - 1) < 1e-3:
-                hint = f"rank {rank}'s gradient chunk is {n}x too small: it was averaged twice"
+                hint = T("too_small", rank=rank, n=n)
 
             details.append(f"max difference {max_rel_diff(got, expected):.3g} relative to the largest value")
-            CheckFailure(check, where, f"unit {k}'s gradient chunk differs from one process's", hint, details).fail()
+            CheckFailure(check, where, T("chunk_differs", k=k), hint, details).fail()
         expected_shard = layout.shard(layout.flatten([ref.params[f"{UNIT_INDICES[k]}.{i.name}"] for i in infos]), rank)
         if not close(shards[k], expected_shard):
-            CheckFailure(check, where, f"unit {k}'s parameter shard after the step differs from one process's",
-                         "the optimizer steps self.shard: keep the shard an nn.Parameter, and gather from it",
+            CheckFailure(check, where, T("shard_differs", k=k), T("step_shard"),
                          [f"expected {format_tensor(expected_shard, 8)}", f"got      {format_tensor(shards[k], 8)}"]
                          ).fail()

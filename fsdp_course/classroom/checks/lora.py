@@ -34,8 +34,10 @@ from fsdp_course.classroom.checks._common import (
     require_callable,
     require_world_sizes,
 )
+from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import ADAMW, Case, FSDPTrainee, check_equivalence, digits_batches
 from fsdp_course.fsdp.api import FSDP
+from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.models import TransformerClassifier, TransformerConfig
 from fsdp_course.runtime.simulate import RankError
 
@@ -43,6 +45,111 @@ __all__ = ["check_lora_linear"]
 
 IN, OUT, RANK, ALPHA = 6, 5, 2, 4.0  # scaling alpha / rank = 2.0
 TOL = 1e-5
+
+T = catalogue("lora", {
+    "not_module": ("got a {kind}, not an nn.Module", "得到了一个 {kind}，不是 nn.Module"),
+    "subclass": ("LoRALinear subclasses nn.Module and calls super().__init__() first",
+                 "LoRALinear 继承 nn.Module，并首先调用 super().__init__()"),
+    "base_not_kept": ("self.base is not the nn.Linear that was passed in", "self.base 不是传进来的那个 nn.Linear"),
+    "keep_base": ("keep the Linear you were given as self.base (not a copy, not a new Linear): it holds the pretrained "
+                  "weights",
+                  "把传入的 Linear 保存为 self.base（不是副本，也不是新的 Linear）：它持有预训练权重"),
+    "base_changed": ("the base Linear's weight or bias changed", "基座 Linear 的 weight 或 bias 被改变了"),
+    "leave_weights": ("leave the pretrained weights as they are: only freeze them (self.base.requires_grad_(False)); "
+                      "never re-initialize them",
+                      "保持预训练权重不变：只冻结它们（self.base.requires_grad_(False)）；永远不要重新初始化它们"),
+    "param_missing": ("self.{name} is missing, not an nn.Parameter", "self.{name} 不存在，它应是一个 nn.Parameter"),
+    "param_type": ("self.{name} is a {kind}, not an nn.Parameter", "self.{name} 是 {kind}，不是 nn.Parameter"),
+    "make_param": ("make self.{name} = nn.Parameter(...): only parameters are seen by .parameters(), the optimizer "
+                   "and FSDP",
+                   "让 self.{name} = nn.Parameter(...)：只有参数才会被 .parameters()、优化器和 FSDP 看到"),
+    "shape": ("self.{name} has shape {got}, expected {expected}", "self.{name} 的形状是 {got}，应为 {expected}"),
+    "shapes": ("A maps the input down to `rank` values: (rank, in_features); B maps them back up: "
+               "(out_features, rank)",
+               "A 把输入降到 `rank` 个值：(rank, in_features)；B 再把它们映射回去：(out_features, rank)"),
+    "base_trainable_one": ("the base's {name} still requires grad", "基座的 {name} 仍然需要梯度（requires grad）"),
+    "base_trainable_two": ("the base's {first} and {last} still require grad",
+                           "基座的 {first} 和 {last} 仍然需要梯度（requires grad）"),
+    "freeze": ("freeze the pretrained Linear: self.base.requires_grad_(False)",
+               "冻结预训练的 Linear：self.base.requires_grad_(False)"),
+    "trainable": ("the trainable parameters are {trainable}, expected ['lora_A', 'lora_B']",
+                  "可训练的参数是 {trainable}，应为 ['lora_A', 'lora_B']"),
+    "only_adapters": ("only the two adapter matrices train: both nn.Parameter with requires_grad=True (the default)",
+                      "只训练两个适配器矩阵：两者都是 requires_grad=True（默认值）的 nn.Parameter"),
+    "forward_returned": ("forward returned {shown}, expected a tensor of shape {shape}",
+                         "forward 返回了 {shown}，应为形状为 {shape} 的张量"),
+    "return_shape": ("return base(x) plus the update, the shape of base(x)",
+                     "返回 base(x) 加上更新量，形状与 base(x) 相同"),
+    "b_zero": ("B must start at zero (torch.zeros or nn.init.zeros_), so that the update B A x is exactly zero and the "
+               "adapted model starts as the pretrained one",
+               "B 必须从零开始（torch.zeros 或 nn.init.zeros_），这样更新量 B A x 恰好为零，适配后的模型起点就是"
+               "预训练模型"),
+    "only_base": ("with B zero the update is zero: forward must return base(x) + (alpha / rank) * B(A x) and nothing "
+                  "else (the base called once, with its bias)",
+                  "B 为零时更新量为零：forward 必须返回 base(x) + (alpha / rank) * B(A x)，此外什么都不加"
+                  "（base 只调用一次，带上它的 bias）"),
+    "differs_at_init": ("the output differs from the base Linear's at step 0", "第 0 步时，输出与基座 Linear 的不同"),
+    "a_zero_b_not": ("lora_A is all zeros and lora_B is not", "lora_A 全为零，而 lora_B 不是"),
+    "swapped": ("A and B are swapped: B starts at zero (so the adapted model starts as the pretrained one) and A at "
+                "random (so that B's gradient, (dL/dy) (A x)ᵀ, is not zero from the first step)",
+                "A 和 B 弄反了：B 应从零开始（这样适配后的模型一开始就是预训练模型），A 应随机初始化"
+                "（这样 B 的梯度 (dL/dy) (A x)ᵀ 从第一步起就不为零）"),
+    "a_zero": ("lora_A is all zeros", "lora_A 全为零"),
+    "both_zero": ("with A and B both zero, B's gradient (which is (dL/dy) (A x)ᵀ) is zero too, and A's is (B ...) "
+                  "zero: nothing ever trains. Draw A at random, e.g. nn.init.kaiming_uniform_(A, a=math.sqrt(5)) or "
+                  "a normal",
+                  "A 和 B 都为零时，B 的梯度（即 (dL/dy) (A x)ᵀ）也为零，A 的梯度（B ...）同样为零：什么都训练不了。"
+                  "A 要随机初始化，例如 nn.init.kaiming_uniform_(A, a=math.sqrt(5)) 或正态分布"),
+    "kept_one": ("your forward does not go through self.base: it uses a {name} kept aside, which FSDP would empty "
+                 "(sharded away)",
+                 "你的 forward 没有经过 self.base：它使用了另外保存的 {name}，而 FSDP 会把它清空（分片出去）"),
+    "kept_both": ("your forward does not go through self.base: it uses a weight and bias kept aside, which FSDP would "
+                  "empty (sharded away)",
+                  "你的 forward 没有经过 self.base：它使用了另外保存的 weight 和 bias，而 FSDP 会把它们清空"
+                  "（分片出去）"),
+    "call_base": ("call self.base(x) in forward: FSDP replaces the base's parameters by views of its gathered flat "
+                  "parameter and empties the originals, so a tensor kept in __init__ (self.w = base.weight, or a "
+                  "detached copy) is either emptied or a private unsharded copy on every rank that a loaded checkpoint "
+                  "never reaches",
+                  "在 forward 里调用 self.base(x)：FSDP 会把 base 的参数换成全聚合后展平参数的视图并清空原参数，"
+                  "所以在 __init__ 里留下的张量（self.w = base.weight，或一个 detach 的副本）要么被清空，"
+                  "要么是每个 rank 上一份未分片的私有副本，加载检查点时也不会更新到它"),
+    "not_scaled": ("the update is not scaled: multiply B(A x) by alpha / rank (here {alpha:g} / {rank} = {scaling:g})",
+                   "更新量没有缩放：把 B(A x) 乘以 alpha / rank（这里是 {alpha:g} / {rank} = {scaling:g}）"),
+    "scaled_by_alpha": ("the update is scaled by alpha: the scaling is alpha / rank (here {scaling:g}, not {alpha:g})",
+                        "更新量按 alpha 缩放了：缩放系数应为 alpha / rank（这里是 {scaling:g}，而不是 {alpha:g}）"),
+    "inverted": ("the scaling is inverted: the update is multiplied by {inverse:g} = rank / alpha{or_rank}; it is "
+                 "alpha / rank = {scaling:g}: a larger alpha makes the adapters' update larger",
+                 "缩放反了：更新量被乘以 {inverse:g} = rank / alpha{or_rank}；应为 alpha / rank = {scaling:g}："
+                 "alpha 越大，适配器的更新量越大"),
+    "or_one_over_rank": (" (or 1 / rank, alpha left out)", "（或 1 / rank，即漏掉了 alpha）"),
+    "formula": ("y = base(x) + (alpha / rank) * x Aᵀ Bᵀ, e.g. self.base(x) + F.linear(F.linear(x, self.lora_A), "
+                "self.lora_B) * self.scaling",
+                "y = base(x) + (alpha / rank) * x Aᵀ Bᵀ，例如 self.base(x) + F.linear(F.linear(x, self.lora_A), "
+                "self.lora_B) * self.scaling"),
+    "differs_formula": ("the output differs from base(x) + (alpha / rank) B A x",
+                        "输出与 base(x) + (alpha / rank) B A x 不同"),
+    "base_grad": ("the base Linear got a gradient", "基座 Linear 得到了梯度"),
+    "no_grad": ("{label} got no gradient", "{label} 没有得到梯度"),
+    "use_in_forward": ("use self.{label} in forward, on the path to the output",
+                       "在 forward 里使用 self.{label}，让它在通往输出的路径上"),
+    "grad_differs": ("{label}'s gradient differs from the formula's", "{label} 的梯度与公式给出的不同"),
+    "from_params": ("compute the update from self.lora_A and self.lora_B themselves (not .data or a detached copy), "
+                    "scaled by alpha / rank",
+                    "用 self.lora_A 和 self.lora_B 本身（而不是 .data 或 detach 的副本）计算更新量，再按 alpha / rank "
+                    "缩放"),
+    "fsdp_views": ("FSDP replaces every module's parameters by views of its gathered flat parameter: use self.base(x), "
+                   "self.lora_A and self.lora_B in forward, never tensors kept aside in __init__",
+                   "FSDP 会把每个模块的参数换成它全聚合后展平参数的视图：在 forward 里使用 self.base(x)、self.lora_A "
+                   "和 self.lora_B，决不要用在 __init__ 里另外保存的张量"),
+    "not_one_process": ("not what one process computes: {error}", "与单进程的计算结果不同：{error}"),
+    "same_forward": ("the same forward on every rank: no randomness in forward, no state kept between calls",
+                     "每个 rank 上的 forward 必须完全相同：forward 中不要有随机性，也不要在两次调用之间保存状态"),
+    "frozen_changed": ("rank {rank}: the frozen {name} changed during training",
+                       "rank {rank}：冻结的 {name} 在训练中改变了"),
+    "stay_frozen": ("the base must stay frozen: requires_grad False, so it gets no gradient and no step",
+                    "基座必须保持冻结：requires_grad 为 False，这样它既得不到梯度，也不会被更新"),
+})
 
 
 def _linear(seed: int = 0) -> nn.Linear:
@@ -52,44 +159,37 @@ def _linear(seed: int = 0) -> nn.Linear:
         return nn.Linear(IN, OUT)
 
 
-def _fail(where: str, problem: str, hint: str, details: list[str] | None = None) -> None:
+def _fail(where: str, problem: Message, hint: Message, details: list[str] | None = None) -> None:
     CheckFailure("check_lora_linear", where, problem, hint, details or []).fail()
 
 
 def _structure(module: Any, base: nn.Linear, values: dict[str, torch.Tensor], where: str) -> None:
     if not isinstance(module, nn.Module):
-        _fail(where, f"got a {type(module).__name__}, not an nn.Module",
-              "LoRALinear subclasses nn.Module and calls super().__init__() first")
+        _fail(where, T("not_module", kind=type(module).__name__), T("subclass"))
     if getattr(module, "base", None) is not base:
-        _fail(where, "self.base is not the nn.Linear that was passed in",
-              "keep the Linear you were given as self.base (not a copy, not a new Linear): it holds the pretrained "
-              "weights")
+        _fail(where, T("base_not_kept"), T("keep_base"))
     if any(not torch.equal(p, values[n]) for n, p in base.named_parameters()):
-        _fail(where, "the base Linear's weight or bias changed", "leave the pretrained weights as they are: only "
-              "freeze them (self.base.requires_grad_(False)); never re-initialize them")
+        _fail(where, T("base_changed"), T("leave_weights"))
     for name in ("lora_A", "lora_B"):
         p = getattr(module, name, None)
         if not isinstance(p, nn.Parameter):
-            shown = "missing" if p is None else f"a {type(p).__name__}"
-            _fail(where, f"self.{name} is {shown}, not an nn.Parameter",
-                  f"make self.{name} = nn.Parameter(...): only parameters are seen by .parameters(), the optimizer "
-                  "and FSDP")
+            problem = T("param_missing", name=name) if p is None else T("param_type", name=name,
+                                                                         kind=type(p).__name__)
+            _fail(where, problem, T("make_param", name=name))
     shapes = {"lora_A": (RANK, IN), "lora_B": (OUT, RANK)}
     for name, shape in shapes.items():
         got = tuple(getattr(module, name).shape)
         if got != shape:
-            _fail(where, f"self.{name} has shape {got}, expected {shape}",
-                  "A maps the input down to `rank` values: (rank, in_features); B maps them back up: "
-                  "(out_features, rank)", [f"base: nn.Linear(in_features={IN}, out_features={OUT}), rank={RANK}"])
+            _fail(where, T("shape", name=name, got=got, expected=shape), T("shapes"),
+                  [f"base: nn.Linear(in_features={IN}, out_features={OUT}), rank={RANK}"])
     trainable_base = [n for n, p in base.named_parameters() if p.requires_grad]
     if trainable_base:
-        verb = "requires" if len(trainable_base) == 1 else "require"
-        _fail(where, f"the base's {' and '.join(trainable_base)} still {verb} grad",
-              "freeze the pretrained Linear: self.base.requires_grad_(False)")
+        problem = (T("base_trainable_one", name=trainable_base[0]) if len(trainable_base) == 1 else
+                   T("base_trainable_two", first=" and ".join(trainable_base[:-1]), last=trainable_base[-1]))
+        _fail(where, problem, T("freeze"))
     trainable = sorted(n for n, p in module.named_parameters() if p.requires_grad)
     if trainable != ["lora_A", "lora_B"]:
-        _fail(where, f"the trainable parameters are {trainable}, expected ['lora_A', 'lora_B']",
-              "only the two adapter matrices train: both nn.Parameter with requires_grad=True (the default)")
+        _fail(where, T("trainable", trainable=trainable), T("only_adapters"))
 
 
 def _at_init(module: nn.Module, base: nn.Linear, name: str) -> None:
@@ -101,23 +201,15 @@ def _at_init(module: nn.Module, base: nn.Linear, name: str) -> None:
     a, b = module.lora_A.detach(), module.lora_B.detach()
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(expected.shape):
         shown = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-        _fail(where, f"forward returned {shown}, expected a tensor of shape {tuple(expected.shape)}",
-              "return base(x) plus the update, the shape of base(x)")
+        _fail(where, T("forward_returned", shown=shown, shape=tuple(expected.shape)), T("return_shape"))
     if not torch.equal(got, expected):
-        hint = ("B must start at zero (torch.zeros or nn.init.zeros_), so that the update B A x is exactly zero and "
-                "the adapted model starts as the pretrained one" if b.any() else
-                "with B zero the update is zero: forward must return base(x) + (alpha / rank) * B(A x) and nothing "
-                "else (the base called once, with its bias)")
-        _fail(where, "the output differs from the base Linear's at step 0", hint,
+        hint = T("b_zero") if b.any() else T("only_base")
+        _fail(where, T("differs_at_init"), hint,
               [f"expected {format_tensor(expected)}", f"got      {format_tensor(got)}"])
     if not a.any() and b.any():
-        _fail(where, "lora_A is all zeros and lora_B is not",
-              "A and B are swapped: B starts at zero (so the adapted model starts as the pretrained one) and A at "
-              "random (so that B's gradient, (dL/dy) (A x)ᵀ, is not zero from the first step)")
+        _fail(where, T("a_zero_b_not"), T("swapped"))
     if not a.any():
-        _fail(where, "lora_A is all zeros",
-              "with A and B both zero, B's gradient (which is (dL/dy) (A x)ᵀ) is zero too, and A's is (B ...) zero: "
-              "nothing ever trains. Draw A at random, e.g. nn.init.kaiming_uniform_(A, a=math.sqrt(5)) or a normal")
+        _fail(where, T("a_zero"), T("both_zero"))
 
 
 def _through_base(module: nn.Module, base: nn.Linear, name: str) -> None:
@@ -142,12 +234,7 @@ def _through_base(module: nn.Module, base: nn.Linear, name: str) -> None:
     if torch.allclose(got, expected, rtol=TOL, atol=1e-6):
         return
     kept = [k for k in ("weight", "bias") if torch.allclose(got, stale[k], rtol=TOL, atol=1e-6)]
-    what = f"a {kept[0]}" if kept else "a weight and bias"
-    _fail(where, f"your forward does not go through self.base: it uses {what} kept aside, which FSDP would empty "
-          "(sharded away)",
-          "call self.base(x) in forward: FSDP replaces the base's parameters by views of its gathered flat parameter "
-          "and empties the originals, so a tensor kept in __init__ (self.w = base.weight, or a detached copy) is "
-          "either emptied or a private unsharded copy on every rank that a loaded checkpoint never reaches",
+    _fail(where, T("kept_one", name=kept[0]) if kept else T("kept_both"), T("call_base"),
           [f"expected {format_tensor(expected)}", f"got      {format_tensor(got)}"])
 
 
@@ -170,17 +257,15 @@ def _with_values(module: nn.Module, base: nn.Linear, name: str) -> None:
     update, unscaled = (got - base(x)).detach(), F.linear(F.linear(x, a), b).detach()
     ratio = (update.norm() / unscaled.norm()).item() if unscaled.norm() > 0 else float("nan")
     if abs(ratio - 1) < 1e-4:
-        hint = f"the update is not scaled: multiply B(A x) by alpha / rank (here {ALPHA:g} / {RANK} = {ALPHA / RANK:g})"
+        hint = T("not_scaled", alpha=ALPHA, rank=RANK, scaling=ALPHA / RANK)
     elif abs(ratio - ALPHA) < 1e-4:
-        hint = f"the update is scaled by alpha: the scaling is alpha / rank (here {ALPHA / RANK:g}, not {ALPHA:g})"
+        hint = T("scaled_by_alpha", scaling=ALPHA / RANK, alpha=ALPHA)
     elif abs(ratio - RANK / ALPHA) < 1e-4:
-        hint = (f"the scaling is inverted: the update is multiplied by {RANK / ALPHA:g} = rank / alpha"
-                + (" (or 1 / rank, alpha left out)" if abs(1 / RANK - RANK / ALPHA) < 1e-9 else "")
-                + f"; it is alpha / rank = {ALPHA / RANK:g}: a larger alpha makes the adapters' update larger")
+        or_rank = T("or_one_over_rank") if abs(1 / RANK - RANK / ALPHA) < 1e-9 else ""
+        hint = T("inverted", inverse=RANK / ALPHA, or_rank=or_rank, scaling=ALPHA / RANK)
     else:
-        hint = ("y = base(x) + (alpha / rank) * x Aᵀ Bᵀ, e.g. self.base(x) + F.linear(F.linear(x, self.lora_A), "
-                "self.lora_B) * self.scaling")
-    _fail(where, "the output differs from base(x) + (alpha / rank) B A x", hint,
+        hint = T("formula")
+    _fail(where, T("differs_formula"), hint,
           [f"expected {format_tensor(expected)}", f"got      {format_tensor(got)}"])
 
 
@@ -194,13 +279,12 @@ def _gradients(module: nn.Module, base: nn.Linear, name: str) -> None:
     frozen = copy.deepcopy(base)
     _reference(x, frozen, a, b).square().sum().backward()
     if any(p.grad is not None for p in base.parameters()):
-        _fail(where, "the base Linear got a gradient", "freeze the pretrained Linear: self.base.requires_grad_(False)")
+        _fail(where, T("base_grad"), T("freeze"))
     for label, p, ref in (("lora_A", module.lora_A, a.grad), ("lora_B", module.lora_B, b.grad)):
         if p.grad is None:
-            _fail(where, f"{label} got no gradient", f"use self.{label} in forward, on the path to the output")
+            _fail(where, T("no_grad", label=label), T("use_in_forward", label=label))
         if not torch.allclose(p.grad, ref, rtol=TOL, atol=1e-6):
-            _fail(where, f"{label}'s gradient differs from the formula's", "compute the update from self.lora_A and "
-                  "self.lora_B themselves (not .data or a detached copy), scaled by alpha / rank",
+            _fail(where, T("grad_differs", label=label), T("from_params"),
                   [f"expected {format_tensor(ref)}", f"got      {format_tensor(p.grad)}"])
     module.zero_grad(set_to_none=True)
 
@@ -239,18 +323,15 @@ def _under_fsdp(cls: Callable[..., nn.Module], sizes: list[int]) -> None:
             result = check_equivalence([case], make, n, tol=TOL, timeout=60)["lora"]
         except RankError as err:
             rank = min(err.failures)
-            _fail(where, f"rank {rank} raised {type(err.failures[rank]).__name__}: {err.failures[rank]}",
-                  "FSDP replaces every module's parameters by views of its gathered flat parameter: use "
-                  "self.base(x), self.lora_A and self.lora_B in forward, never tensors kept aside in __init__")
+            _fail(where, COMMON("raised", rank=rank, kind=type(err.failures[rank]).__name__,
+                                text=err.failures[rank]), T("fsdp_views"))
         except AssertionError as err:
-            _fail(where, f"not what one process computes: {err}",
-                  "the same forward on every rank: no randomness in forward, no state kept between calls")
+            _fail(where, T("not_one_process", error=err), T("same_forward"))
         for rank, trace in enumerate(result.traces):
             for name in frozen:
                 for start, end, values in trace.params[-1].get(name, []):
                     if not torch.equal(values, initial[name][start:end]):
-                        _fail(where, f"rank {rank}: the frozen {name} changed during training",
-                              "the base must stay frozen: requires_grad False, so it gets no gradient and no step")
+                        _fail(where, T("frozen_changed", rank=rank, name=name), T("stay_frozen"))
 
 
 def check_lora_linear(cls: Callable[..., nn.Module], world_sizes: Sequence[int] = (2, 3)) -> None:

@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_course.classroom.checks._common import CHECK_TIMEOUT, CheckFailure, call_learner, require_callable
+from fsdp_course.classroom.checks._common import CHECK_TIMEOUT, CheckFailure, Message, call_learner, require_callable
 from fsdp_course.engines.equivalence import global_batches, local_slice, seeded_mlp
+from fsdp_course.i18n.messages import catalogue
 from fsdp_course.memory import SHARDED_FROM_STAGE, measure, zero_formula
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.simulate import run_ranks
@@ -35,6 +36,38 @@ FORMULA_CASES = ((1_000, 1), (1_000, 4), (12_344, 2), (29_164_304, 8))  # (numel
 MEASURED_SIZES = (16, 16, 16, 8)  # 680 parameters: every layer's numel divides by 8, so no padding
 MEASURE_WORLD_SIZES = (2, 4)
 MEASURE_SLACK = 64  # bytes: Adam's `step` counters (one 4-byte scalar per parameter tensor)
+
+T = catalogue("memory", {
+    "parameters": ("parameters", "参数"),
+    "gradients": ("gradients", "梯度"),
+    "adam_state": ("Adam state", "Adam 状态"),
+    "parameter": ("parameter", "参数"),
+    "total": ("total is params + grads + optimizer", "total 是 params + grads + optimizer 之和"),
+    "shards": ("{stage_name} shards the {what}: each rank keeps 1/N of them; divide by the world size (stage {first} "
+               "and above)",
+               "{what}在 {stage_name} 中是分片的：每个 rank 只保留其中的 1/N；要除以 world size"
+               "（stage {first} 及以上）"),
+    "not_yet": ("{stage_name} does not shard the {what} yet: stage 1 shards the optimizer state, stage 2 also the "
+                "gradients, stage 3 also the parameters",
+                "{what}在 {stage_name} 中还没有分片：stage 1 对优化器状态分片，stage 2 再加上梯度，stage 3 再加上参数"),
+    "adam_two": ("Adam keeps two fp32 tensors per parameter (momentum and variance): 8 bytes per parameter, not 4",
+                 "Adam 为每个参数保存两个 fp32 张量（动量和方差）：每个参数 8 字节，不是 4"),
+    "elements": ("those are elements, not bytes: one fp32 value is 4 bytes",
+                 "这些是元素个数，不是字节数：一个 fp32 值占 4 字节"),
+    "per_parameter": ("per parameter: 4 bytes of {what} (fp32), 4 of gradient, 8 of Adam state; divide what the stage "
+                      "shards by the world size",
+                      "每个参数：{what} 4 字节（fp32），梯度 4 字节，Adam 状态 8 字节；"
+                      "该阶段分片的部分要除以 world size"),
+    "measured": ("{category}: your formula says {got:,.0f} B, rank 0 holds {held:,} B",
+                 "{category}：你的公式给出 {got:,.0f} B，而 rank 0 实际持有 {held:,} B"),
+    "returned": ("returned {kind} {value!r:.120}", "返回了 {kind} {value!r:.120}"),
+    "return_dict": ("return a dict with the keys {keys} (bytes per rank)",
+                    "返回一个 dict，键为 {keys}（每个 rank 的字节数）"),
+    "not_number": ("{category} is {kind}, not a number", "{category} 是 {kind}，不是数字"),
+    "plain_numbers": ("return plain numbers of bytes (int or float)", "返回表示字节数的普通数字（int 或 float）"),
+    "got_expected": ("{category}: got {got:,.0f} B, expected {expected:,.0f} B",
+                     "{category}：得到 {got:,.0f} B，应为 {expected:,.0f} B"),
+})
 
 
 def measure_stages(world_size: int) -> dict[int, dict[str, int]]:
@@ -77,23 +110,20 @@ def measure_stages(world_size: int) -> dict[int, dict[str, int]]:
     return run_ranks(body, world_size, timeout=CHECK_TIMEOUT)[0]
 
 
-def _hint(key: str, stage: int, n: int, got: float, expected: float) -> str:
+def _hint(key: str, stage: int, n: int, got: float, expected: float) -> Message:
     if key == "total":
-        return "total is params + grads + optimizer"
+        return T("total")
     shared = stage >= SHARDED_FROM_STAGE[key]
-    what = {"params": "parameters", "grads": "gradients", "optimizer": "Adam state"}[key]
+    what = T({"params": "parameters", "grads": "gradients", "optimizer": "adam_state"}[key])
     if n > 1 and abs(got - expected * n) < 1e-6 * expected * n and shared:
-        return (f"{STAGE_NAMES[stage]} shards the {what}: each rank keeps 1/N of them; divide by the world size "
-                f"(stage {SHARDED_FROM_STAGE[key]} and above)")
+        return T("shards", stage_name=STAGE_NAMES[stage], what=what, first=SHARDED_FROM_STAGE[key])
     if n > 1 and abs(got * n - expected) < 1e-6 * expected and not shared:
-        return (f"{STAGE_NAMES[stage]} does not shard the {what} yet: stage 1 shards the optimizer state, stage 2 "
-                "also the gradients, stage 3 also the parameters")
+        return T("not_yet", stage_name=STAGE_NAMES[stage], what=what)
     if key == "optimizer" and abs(got * 2 - expected) < 1e-6 * expected:
-        return "Adam keeps two fp32 tensors per parameter (momentum and variance): 8 bytes per parameter, not 4"
+        return T("adam_two")
     if expected and abs(got * 4 - expected) < 1e-6 * expected:
-        return "those are elements, not bytes: one fp32 value is 4 bytes"
-    return (f"per parameter: 4 bytes of {what if key != 'optimizer' else 'parameter'} (fp32), 4 of gradient, 8 of Adam "
-            "state; divide what the stage shards by the world size")
+        return T("elements")
+    return T("per_parameter", what=what if key != "optimizer" else T("parameter"))
 
 
 def check_zero_memory(fn: Callable[[int, int, int], dict[str, float]]) -> None:
@@ -120,9 +150,9 @@ def check_zero_memory(fn: Callable[[int, int, int], dict[str, float]]) -> None:
             got = call_learner(check, name, fn, numel, n, stage, where=where)
             for key in ("params", "grads", "optimizer"):
                 if abs(float(got[key]) - measured[stage][key]) > MEASURE_SLACK:
-                    CheckFailure(check, where, f"{key}: your formula says {float(got[key]):,.0f} B, rank 0 holds "
-                                 f"{measured[stage][key]:,} B", _hint(key, stage, n, float(got[key]),
-                                                                       measured[stage][key])).fail()
+                    CheckFailure(check, where,
+                                 T("measured", category=key, got=float(got[key]), held=measured[stage][key]),
+                                 _hint(key, stage, n, float(got[key]), measured[stage][key])).fail()
             rows.append((STAGE_NAMES[stage], n, float(got["total"]), measured[stage]["total"]))
     print(f"All tests in {check} passed (world sizes {', '.join(str(n) for n in sorted({n for _, n in FORMULA_CASES}))}"
           f" against zero_formula; {', '.join(map(str, MEASURE_WORLD_SIZES))} against measured bytes)")
@@ -135,14 +165,14 @@ def check_zero_memory(fn: Callable[[int, int, int], dict[str, float]]) -> None:
 
 def _compare(check: str, where: str, got: Any, expected: dict[str, float], stage: int, n: int) -> None:
     if not isinstance(got, dict) or any(k not in got for k in KEYS):
-        CheckFailure(check, where, f"returned {type(got).__name__} {got!r:.120}",
-                     f"return a dict with the keys {', '.join(map(repr, KEYS))} (bytes per rank)").fail()
+        CheckFailure(check, where, T("returned", kind=type(got).__name__, value=got),
+                     T("return_dict", keys=", ".join(map(repr, KEYS)))).fail()
     for key in KEYS:
         value = got[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            CheckFailure(check, where, f"{key} is {type(value).__name__}, not a number",
-                         "return plain numbers of bytes (int or float)").fail()
+            CheckFailure(check, where, T("not_number", category=key, kind=type(value).__name__),
+                         T("plain_numbers")).fail()
         if abs(float(value) - expected[key]) > 1e-6 * max(expected[key], 1.0):
-            CheckFailure(check, where, f"{key}: got {float(value):,.0f} B, expected {expected[key]:,.0f} B",
+            CheckFailure(check, where, T("got_expected", category=key, got=float(value), expected=expected[key]),
                          _hint(key, stage, n, float(value), expected[key]),
                          [f"expected {', '.join(f'{k} {expected[k]:,.0f}' for k in KEYS)}"]).fail()

@@ -44,6 +44,7 @@ from fsdp_course.classroom.checks._common import (
 from fsdp_course.engines.equivalence import close, max_rel_diff
 from fsdp_course.fsdp.flat_param import FlatParamLayout
 from fsdp_course.fsdp.param_group import Span
+from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.runtime.collectives import CollectiveWork
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.ledger import Record
@@ -54,11 +55,81 @@ WIDTHS = (48, 80, 32, 64, 16)  # four units: Linear(48, 80), Linear(80, 32), Lin
 BATCH = 64
 SEED = 13
 
+T = catalogue("overlap", {
+    "call_with_index": ("call compute(i, full, x) with the index i of the unit that runs",
+                        "调用 compute(i, full, x) 时，传入正在运行的单元的下标 i"),
+    "wait_returns": ("work.wait() returns the gathered tensor: pass what it returns",
+                     "work.wait() 返回全聚合后的张量：传入它的返回值"),
+    "pass_tensor": ("pass the tensor the all-gather returns (work.wait() returns it)",
+                    "传入全聚合返回的张量（work.wait() 会返回它）"),
+    "right_work": ("keep each unit's CollectiveWork and wait for the right one: unit i's wait() returns unit i's "
+                   "parameters",
+                   "保存每个单元的 CollectiveWork 并等待正确的那个：单元 i 的 wait() 返回单元 i 的参数"),
+    "gather_first": ("all-gather shards[i] first: ctx.all_gather(shards[i], async_op=True).wait() returns every "
+                     "rank's shards, concatenated",
+                     "先全聚合 shards[i]：ctx.all_gather(shards[i], async_op=True).wait() 返回所有 rank 的分片，"
+                     "首尾相接"),
+    "unchanged": ("pass what ctx.all_gather(shards[i], ...) returns, unchanged",
+                  "把 ctx.all_gather(shards[i], ...) 的返回值原样传入"),
+    "used_before_wait": ("unit {i}'s parameters were used before its all-gather was waited for",
+                         "单元 {i} 的全聚合还没有被等待，它的参数就被使用了"),
+    "async_fills": ("an async all-gather fills its output in the background: call work.wait() before using the "
+                    "parameters, and use what it returns",
+                    "异步全聚合在后台填充输出：使用参数之前调用 work.wait()，并使用它返回的结果"),
+    "other_values": ("compute({i}, ...) got values that are not unit {i}'s gathered parameters",
+                     "compute({i}, ...) 得到的值不是单元 {i} 全聚合后的参数"),
+    "pass_unchanged": ("pass what unit {i}'s all-gather returns, unchanged (the concatenation of every rank's "
+                       "shards[{i}])",
+                       "把单元 {i} 的全聚合的返回值原样传入（所有 rank 的 shards[{i}] 首尾相接）"),
+    "already_waited": ("unit {next}'s all-gather had already been waited for (or run without async_op=True) when "
+                       "unit {i}'s compute started, so nothing overlaps",
+                       "单元 {i} 开始计算时，单元 {next} 的全聚合已经被等待过了（或者没有用 async_op=True 运行），"
+                       "所以没有任何重叠"),
+    "issue_async": ("issue unit {next}'s all-gather with async_op=True before computing unit {i}, and call wait() "
+                    "only just before unit {next} needs its parameters",
+                    "在计算单元 {i} 之前用 async_op=True 发起单元 {next} 的全聚合，等单元 {next} 即将用到参数时才调用 "
+                    "wait()"),
+    "no_unit_after": ("there is no unit after the last one: issue the next unit's all-gather only if i + 1 < "
+                      "len(shards)",
+                      "最后一个单元之后没有单元了：只有 i + 1 < len(shards) 时才发起下一个单元的全聚合"),
+    "async_op": ("ctx.all_gather returns a tensor unless you pass async_op=True; with it, a CollectiveWork to wait() "
+                 "on",
+                 "不传 async_op=True 时，ctx.all_gather 返回一个张量；传了它，则返回一个要对它调用 wait() 的 "
+                 "CollectiveWork"),
+    "computed_units": ("compute was called for units {computed}, expected {expected}",
+                       "compute 被调用的单元是 {computed}，应为 {expected}"),
+    "call_in_order": ("call compute(i, full, x) once for every unit, in order, passing each output on as the next "
+                      "unit's x",
+                      "对每个单元按顺序调用一次 compute(i, full, x)，把每个输出作为下一个单元的 x 传下去"),
+    "gathered_times": ("unit {i} was gathered {count} times", "单元 {i} 被全聚合了 {count} 次"),
+    "gather_once": ("all-gather each unit's shard exactly once, and wait for each all-gather",
+                    "每个单元的分片恰好全聚合一次，并等待每一次全聚合"),
+    "started_after": ("unit {next}'s all-gather started after unit {i}'s compute",
+                      "单元 {next} 的全聚合在单元 {i} 的计算之后才开始"),
+    "issue_before": ("issue it before computing: ctx.all_gather(shards[{next}], async_op=True) before compute({i}, "
+                     "...), and wait just before use, when unit {next} runs",
+                     "在计算之前发起它：在 compute({i}, ...) 之前调用 ctx.all_gather(shards[{next}], async_op=True)，"
+                     "等到单元 {next} 运行、即将使用时再 wait"),
+    "three_units": ("unit {ahead}'s all-gather started before unit {i}'s compute: three units' parameters are "
+                    "gathered at once",
+                    "单元 {ahead} 的全聚合在单元 {i} 的计算之前就开始了：三个单元的参数同时处于全聚合状态"),
+    "one_ahead": ("prefetch one unit ahead only (FSDP's prefetch=1): issue unit i+1's all-gather while unit i is about "
+                  "to compute, not all of them at the start",
+                  "只预取下一个单元（FSDP 的 prefetch=1）：在单元 i 即将计算时发起单元 i+1 的全聚合，"
+                  "而不是一开始就发起全部"),
+    "not_output": ("returned {kind}, not the output", "返回了 {kind}，而不是输出"),
+    "return_last": ("return the last unit's output (what compute returned for the last unit)",
+                    "返回最后一个单元的输出（compute 对最后一个单元的返回值）"),
+    "output_differs": ("the output differs from one process's", "输出与单进程的结果不同"),
+    "pass_on": ("pass each unit's output on as the next unit's x, and return the last one",
+                "把每个单元的输出作为下一个单元的 x 传下去，并返回最后一个输出"),
+})
+
 
 class ComputeMisuse(Exception):
     """`compute` was called with something it cannot run (the message says what, `hint` how to fix it)."""
 
-    def __init__(self, message: str, hint: str) -> None:
+    def __init__(self, message: str, hint: Message) -> None:
         super().__init__(message)
         self.hint = hint
 
@@ -71,7 +142,7 @@ class ForwardRun:
     spans: list[Span]  # one per compute call, unit "unit i", in call order
     records: list[Record]  # the rank's ledger
     gathered: dict[int, list[Record]] = field(default_factory=dict)  # unit -> its all-gathers (told by their bytes)
-    problems: list[tuple[str, str]] = field(default_factory=list)  # (problem, hint) seen by compute, in order
+    problems: list[tuple[Message, Message]] = field(default_factory=list)  # (problem, hint) seen by compute, in order
 
 
 class _Chain:
@@ -116,7 +187,7 @@ def _compute_for(chain: _Chain, ctx: RankContext, run: ForwardRun) -> Callable[[
     def waited(i: int) -> int:  # how many all-gathers of unit i this rank has waited for (or run synchronously)
         return sum(1 for r in ctx.ledger.records if chain.unit_of(r) == i)
 
-    def note(problem: str, hint: str) -> None:
+    def note(problem: Message, hint: Message) -> None:
         if not run.problems:  # the first one explains the rest
             run.problems.append((problem, hint))
 
@@ -124,42 +195,30 @@ def _compute_for(chain: _Chain, ctx: RankContext, run: ForwardRun) -> Callable[[
         start = time.perf_counter()
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
             raise ComputeMisuse(f"compute's first argument must be a unit index 0..{n - 1}, got {i!r}",
-                                "call compute(i, full, x) with the index i of the unit that runs")
+                                T("call_with_index"))
         if isinstance(full, CollectiveWork):
             raise ComputeMisuse(f"compute({i}, ...) got the CollectiveWork itself, not unit {i}'s parameters",
-                                "work.wait() returns the gathered tensor: pass what it returns")
+                                T("wait_returns"))
         if not isinstance(full, torch.Tensor):
             raise ComputeMisuse(f"compute({i}, ...) got {type(full).__name__}, not a tensor",
-                                "pass the tensor the all-gather returns (work.wait() returns it)")
+                                T("pass_tensor"))
         expected = chain.layouts[i].padded_numel
         if tuple(full.shape) != (expected,):
             other = chain.bytes_of.get(4 * full.numel()) if full.dim() == 1 else None
             if other is not None and other != i:
                 raise ComputeMisuse(f"compute({i}, ...) got unit {other}'s gathered parameters ({full.numel()} "
-                                    f"elements), unit {i} has {expected}",
-                                    "keep each unit's CollectiveWork and wait for the right one: unit i's wait() "
-                                    "returns unit i's parameters")
+                                    f"elements), unit {i} has {expected}", T("right_work"))
             if full.numel() * chain.world_size == expected:
                 raise ComputeMisuse(f"compute({i}, ...) got a shard ({full.numel()} elements), not the gathered "
-                                    f"parameters ({expected})",
-                                    "all-gather shards[i] first: ctx.all_gather(shards[i], async_op=True).wait() "
-                                    "returns every rank's shards, concatenated")
+                                    f"parameters ({expected})", T("gather_first"))
             raise ComputeMisuse(f"compute({i}, ...) got a tensor of shape {tuple(full.shape)}, expected "
-                                f"({expected},): unit {i}'s gathered flat parameter",
-                                "pass what ctx.all_gather(shards[i], ...) returns, unchanged")
+                                f"({expected},): unit {i}'s gathered flat parameter", T("unchanged"))
         if waited(i) == 0:
-            note(f"unit {i}'s parameters were used before its all-gather was waited for",
-                 "an async all-gather fills its output in the background: call work.wait() before using the "
-                 "parameters, and use what it returns")
+            note(T("used_before_wait", i=i), T("async_fills"))
         elif not torch.equal(full, chain.fulls[i]):
-            note(f"compute({i}, ...) got values that are not unit {i}'s gathered parameters",
-                 f"pass what unit {i}'s all-gather returns, unchanged (the concatenation of every rank's "
-                 f"shards[{i}])")
+            note(T("other_values", i=i), T("pass_unchanged", i=i))
         if i + 1 < n and waited(i + 1) > 0:
-            note(f"unit {i + 1}'s all-gather had already been waited for (or run without "
-                 f"async_op=True) when unit {i}'s compute started, so nothing overlaps",
-                 f"issue unit {i + 1}'s all-gather with async_op=True before computing unit {i}, and call wait() "
-                 f"only just before unit {i + 1} needs its parameters")
+            note(T("already_waited", next=i + 1, i=i), T("issue_async", next=i + 1, i=i))
         out = chain.unit(i, full, x)
         run.spans.append(Span(f"unit {i}", "forward", start, time.perf_counter()))
         return out
@@ -167,14 +226,13 @@ def _compute_for(chain: _Chain, ctx: RankContext, run: ForwardRun) -> Callable[[
     return compute
 
 
-def _hint(exc: BaseException) -> str:
+def _hint(exc: BaseException) -> Message:
     if isinstance(exc, ComputeMisuse):
         return exc.hint
     if isinstance(exc, IndexError):
-        return ("there is no unit after the last one: issue the next unit's all-gather only if i + 1 < "
-                "len(shards)")
+        return T("no_unit_after")
     if "has no attribute 'wait'" in str(exc):
-        return "ctx.all_gather returns a tensor unless you pass async_op=True; with it, a CollectiveWork to wait() on"
+        return T("async_op")
     return exception_hint(exc)
 
 
@@ -265,34 +323,25 @@ def _judge(check: str, chain: _Chain, n: int, rank: int, run: ForwardRun, refere
         CheckFailure(check, where, problem, hint).fail()
     computed = [int(s.unit.split()[-1]) for s in run.spans]
     if computed != list(range(units)):
-        CheckFailure(check, where, f"compute was called for units {computed}, expected {list(range(units))}",
-                     "call compute(i, full, x) once for every unit, in order, passing each output on as the next "
-                     "unit's x").fail()
+        CheckFailure(check, where, T("computed_units", computed=computed, expected=list(range(units))),
+                     T("call_in_order")).fail()
     gathered = run.gathered
     for i in range(units):
         count = len(gathered.get(i, []))
         if count != 1:
-            CheckFailure(check, where, f"unit {i} was gathered {count} times",
-                         "all-gather each unit's shard exactly once, and wait for each all-gather").fail()
+            CheckFailure(check, where, T("gathered_times", i=i, count=count), T("gather_once")).fail()
     start = {i: gathered[i][0].start for i in range(units)}
     spans = {int(s.unit.split()[-1]): s for s in run.spans}
     for i in range(units - 1):
         if not start[i + 1] < spans[i].start:
-            CheckFailure(check, where, f"unit {i + 1}'s all-gather started after unit {i}'s compute",
-                         f"issue it before computing: ctx.all_gather(shards[{i + 1}], async_op=True) before "
-                         f"compute({i}, ...), and wait just before use, when unit {i + 1} runs").fail()
+            CheckFailure(check, where, T("started_after", next=i + 1, i=i), T("issue_before", next=i + 1, i=i)).fail()
         if i + 2 < units and start[i + 2] < spans[i].start:
-            CheckFailure(check, where, f"unit {i + 2}'s all-gather started before unit {i}'s compute: three units' "
-                         "parameters are gathered at once",
-                         "prefetch one unit ahead only (FSDP's prefetch=1): issue unit i+1's all-gather while unit "
-                         "i is about to compute, not all of them at the start").fail()
+            CheckFailure(check, where, T("three_units", ahead=i + 2, i=i), T("one_ahead")).fail()
     got = run.output
     if not isinstance(got, torch.Tensor):
-        CheckFailure(check, where, f"returned {type(got).__name__}, not the output",
-                     "return the last unit's output (what compute returned for the last unit)").fail()
+        CheckFailure(check, where, T("not_output", kind=type(got).__name__), T("return_last")).fail()
     if not close(got, reference):
-        CheckFailure(check, where, "the output differs from one process's",
-                     "pass each unit's output on as the next unit's x, and return the last one",
+        CheckFailure(check, where, T("output_differs"), T("pass_on"),
                      [f"expected {format_tensor(reference, 8)}", f"got      {format_tensor(got, 8)}"]
                      + ([f"max difference {max_rel_diff(got, reference):.3g} relative"]
                         if got.shape == reference.shape else [])).fail()

@@ -41,6 +41,7 @@ from fsdp_course.engines.equivalence import (
     reference_steps,
     seeded_mlp,
 )
+from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.monitor import CollectiveHang, CollectiveMismatch
 
@@ -48,6 +49,65 @@ __all__ = ["check_clip_grad_norm", "check_train_step"]
 
 CLIP_NUMELS = (30, 17)  # two flat gradients; 17 needs padding for 2, 3 and 4 ranks
 CLIP_CASES = (("clipping", 1.0), ("no clipping", 1e6))
+STEP_SIZES = (6, 5, 3)
+STEP_STEPS, STEP_BATCH, STEP_LR = 4, 12, 0.5
+
+T = catalogue("pitfalls", {
+    "not_norm": ("returned {kind}, not the norm", "返回了 {kind}，而不是范数"),
+    "return_norm": ("return the global norm (a 0-d tensor or a float)", "返回全局范数（0 维张量或 float）"),
+    "wrong_norm": ("rank {rank} returned the norm {norm:.6g}, the global norm is {total:.6g}",
+                   "rank {rank} 返回的范数是 {norm:.6g}，全局范数是 {total:.6g}"),
+    "own_norm": ("{norm:.6g} is rank {rank}'s own shard's norm: the article's bug. Sum the squared norms of the shards "
+                 "over all ranks (ctx.all_reduce, op='sum'), then take the square root",
+                 "{norm:.6g} 是 rank {rank} 自己分片的范数：这是文章的 bug。要在所有 rank 上对各分片的范数平方求和"
+                 "（ctx.all_reduce，op='sum'），再开平方"),
+    "norms_add": ("norms do not add up: all-reduce the squared norms (sum), then take the square root",
+                  "范数不能直接相加：全归约范数的平方（求和），再开平方"),
+    "sqrt_mean": ("that is sqrt(mean of the squared norms): all-reduce the squares with op='sum', not 'mean'",
+                  "这是 sqrt(范数平方的平均)：全归约平方时用 op='sum'，不是 'mean'"),
+    "norm_formula": ("the global norm is sqrt(sum over ranks and shards of (shard ** 2).sum())",
+                     "全局范数是 sqrt(对所有 rank 的所有分片求 (shard ** 2).sum() 之和)"),
+    "not_scaled": ("the shards were not scaled: multiply each in place (g.mul_(coef)), coef = max_norm / (norm + 1e-6)",
+                   "分片没有被缩放：对每个分片原地相乘（g.mul_(coef)），coef = max_norm / (norm + 1e-6)"),
+    "below_max": ("the global norm is below max_norm: clip only when it exceeds it (clamp the factor at 1)",
+                  "全局范数低于 max_norm：只有超过时才做梯度裁剪（把系数限制在 1 以内）"),
+    "own_scale": ("rank {rank} scaled by max_norm / its own norm ({own:.4g}): the article's bug; every rank must scale "
+                  "by max_norm / the global norm ({total:.4g})",
+                  "rank {rank} 用 max_norm / 它自己的范数（{own:.4g}）缩放：这是文章的 bug；每个 rank 都必须用 "
+                  "max_norm / 全局范数（{total:.4g}）缩放"),
+    "same_factor": ("scale every shard in place by the same factor: min(1, max_norm / (global norm + 1e-6))",
+                    "用同一个系数原地缩放每个分片：min(1, max_norm / (全局范数 + 1e-6))"),
+    "clipped_differs": ("shard {i} after clipping differs from one process's", "裁剪之后，分片 {i} 与单进程的结果不同"),
+    "collective_on_rank0": ("a rank made a collective that the others did not (a collective under "
+                            "`if ctx.rank == 0:`?): every rank must call every collective, in the same order; compute "
+                            "on all ranks, print on rank 0 only",
+                            "有一个 rank 做了其他 rank 没做的集合通信（集合通信写在了 `if ctx.rank == 0:` 下？）："
+                            "每个 rank 都必须按相同顺序调用每个集合通信；在所有 rank 上计算，只在 rank 0 上打印"),
+    "average_then_step": ("after backward, average every gradient over the ranks (op='mean'), then step, then zero the "
+                          "gradients", "反向之后，在各 rank 间平均每个梯度（op='mean'），然后更新一步，再把梯度清零"),
+    "grads_summed": ("the parameters moved {n}x as far as one process's at world size {n}: the gradients are summed "
+                     "over the ranks, not averaged; use op='mean' (or divide by ctx.world_size)",
+                     "world size {n} 时参数移动的距离是单进程的 {n} 倍：梯度在各 rank 间求了和而不是平均；用 op='mean'"
+                     "（或除以 ctx.world_size）"),
+    "averaged_twice": ("the parameters moved 1/{n} as far as one process's: the gradients were averaged twice",
+                       "参数移动的距离只有单进程的 1/{n}：梯度被平均了两次"),
+    "stepped_twice": ("the step was taken twice (or the gradients were not zeroed after the previous step)",
+                      "这一步更新执行了两次（或者上一步之后没有把梯度清零）"),
+    "param_differs": ("rank {rank}'s `{pname}` after the step differs from one process's",
+                      "更新之后，rank {rank} 上的 `{pname}` 与单进程的结果不同"),
+    "not_loss": ("rank {rank} returned {kind}, not the loss", "rank {rank} 返回了 {kind}，而不是损失"),
+    "return_loss": ("return the global loss as a float (loss.item() after the all-reduce)",
+                    "以 float 返回全局损失（全归约之后调用 loss.item()）"),
+    "mean_loss": ("return the mean over the ranks of their losses (ctx.all_reduce(..., op='mean') on every rank)",
+                  "返回各 rank 损失的平均（在每个 rank 上调用 ctx.all_reduce(..., op='mean')）"),
+    "own_loss": ("rank {rank} returned its own slice's loss: all-reduce the loss (op='mean') on every rank to get the "
+                 "global one",
+                 "rank {rank} 返回的是它自己那份数据的损失：在每个 rank 上全归约损失（op='mean'）得到全局损失"),
+    "loss_summed": ("that is {n}x the global loss: average the losses (op='mean'), do not sum them",
+                    "这是全局损失的 {n} 倍：要对损失求平均（op='mean'），不要求和"),
+    "wrong_loss": ("rank {rank} returned the loss {loss:.6g}, one process's is {ref:.6g}",
+                   "rank {rank} 返回的损失是 {loss:.6g}，单进程的是 {ref:.6g}"),
+})
 
 
 def _clip_inputs(n: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
@@ -97,21 +157,19 @@ def _compare_clip(check: str, n: int, case: str, max_norm: float, rank: int, nor
     if isinstance(norm, torch.Tensor) and norm.numel() == 1:
         norm = float(norm)
     if isinstance(norm, bool) or not isinstance(norm, (int, float)):
-        CheckFailure(check, where, f"returned {type(norm).__name__}, not the norm",
-                     "return the global norm (a 0-d tensor or a float)").fail()
+        CheckFailure(check, where, T("not_norm", kind=type(norm).__name__), T("return_norm")).fail()
     own = math.sqrt(sum(float(s.pow(2).sum()) for s in shards[rank]))
     if abs(norm - total) > 1e-5 * total:
         summed = sum(math.sqrt(sum(float(s.pow(2).sum()) for s in shards[r])) for r in range(n))
-        problem = f"rank {rank} returned the norm {norm:.6g}, the global norm is {total:.6g}"
+        problem = T("wrong_norm", rank=rank, norm=norm, total=total)
         if n > 1 and abs(norm - own) <= 1e-5 * own:
-            hint = (f"{norm:.6g} is rank {rank}'s own shard's norm: the article's bug. Sum the squared norms of the "
-                    "shards over all ranks (ctx.all_reduce, op='sum'), then take the square root")
+            hint = T("own_norm", norm=norm, rank=rank)
         elif n > 1 and abs(norm - summed) <= 1e-5 * summed:
-            hint = "norms do not add up: all-reduce the squared norms (sum), then take the square root"
+            hint = T("norms_add")
         elif n > 1 and abs(norm * math.sqrt(n) - total) <= 1e-5 * total:
-            hint = "that is sqrt(mean of the squared norms): all-reduce the squares with op='sum', not 'mean'"
+            hint = T("sqrt_mean")
         else:
-            hint = "the global norm is sqrt(sum over ranks and shards of (shard ** 2).sum())"
+            hint = T("norm_formula")
         CheckFailure(check, where, problem, hint).fail()
     for i, (got, full) in enumerate(zip(clipped, reference, strict=True)):
         expected = full.chunk(n)[rank]
@@ -121,26 +179,22 @@ def _compare_clip(check: str, n: int, case: str, max_norm: float, rank: int, nor
                    f"max difference {max_rel_diff(got, expected):.3g} relative"]
         c = scale_ratio(got, shards[rank][i], rtol=1e-4)
         if torch.equal(got, shards[rank][i]) and total > max_norm:
-            hint = "the shards were not scaled: multiply each in place (g.mul_(coef)), coef = max_norm / (norm + 1e-6)"
+            hint = T("not_scaled")
         elif total <= max_norm:
-            hint = "the global norm is below max_norm: clip only when it exceeds it (clamp the factor at 1)"
+            hint = T("below_max")
         elif c is not None and own > 0 and abs(c - max_norm / (own + 1e-6)) <= 1e-4 * c:
-            hint = (f"rank {rank} scaled by max_norm / its own norm ({own:.4g}): the article's bug; every rank "
-                    f"must scale by max_norm / the global norm ({total:.4g})")
+            hint = T("own_scale", rank=rank, own=own, total=total)
         else:
-            hint = "scale every shard in place by the same factor: min(1, max_norm / (global norm + 1e-6))"
-        CheckFailure(check, where, f"shard {i} after clipping differs from one process's", hint, details).fail()
+            hint = T("same_factor")
+        CheckFailure(check, where, T("clipped_differs", i=i), hint, details).fail()
 
 
 # -- the debugging exercise ------------------------------------------------------------------------
-STEP_SIZES = (6, 5, 3)
-STEP_STEPS, STEP_BATCH, STEP_LR = 4, 12, 0.5
 
 
-def _step_hint(exc: BaseException) -> str:
+def _step_hint(exc: BaseException) -> Message:
     if isinstance(exc, (CollectiveMismatch, CollectiveHang)):
-        return ("a rank made a collective that the others did not (a collective under `if ctx.rank == 0:`?): every "
-                "rank must call every collective, in the same order; compute on all ranks, print on rank 0 only")
+        return T("collective_on_rank0")
     return exception_hint(exc)
 
 
@@ -196,28 +250,24 @@ def _compare_step(check: str, n: int, rank: int, step: int, loss: Any, params: d
             continue
         start = before[pname].detach()
         c = scale_ratio(got - start, expected - start, rtol=1e-3)
-        hint = "after backward, average every gradient over the ranks (op='mean'), then step, then zero the gradients"
+        hint = T("average_then_step")
         if c is not None and n > 1 and abs(c / n - 1) < 1e-3:
-            hint = (f"the parameters moved {n}x as far as one process's at world size {n}: the gradients are summed "
-                    "over the ranks, not averaged; use op='mean' (or divide by ctx.world_size)")
+            hint = T("grads_summed", n=n)
         elif c is not None and abs(c - 1 / n) < 1e-3 and n > 1:
-            hint = f"the parameters moved 1/{n} as far as one process's: the gradients were averaged twice"
+            hint = T("averaged_twice", n=n)
         elif c is not None and abs(c - 2) < 1e-3:
-            hint = "the step was taken twice (or the gradients were not zeroed after the previous step)"
-        CheckFailure(check, where, f"rank {rank}'s `{pname}` after the step differs from one process's", hint,
+            hint = T("stepped_twice")
+        CheckFailure(check, where, T("param_differs", rank=rank, pname=pname), hint,
                      [f"expected {format_tensor(expected, 8)}", f"got      {format_tensor(got, 8)}",
                       f"max difference {max_rel_diff(got, expected):.3g} relative"]).fail()
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         loss = float(loss)
     if isinstance(loss, bool) or not isinstance(loss, (int, float)):
-        CheckFailure(check, where, f"rank {rank} returned {type(loss).__name__}, not the loss",
-                     "return the global loss as a float (loss.item() after the all-reduce)").fail()
+        CheckFailure(check, where, T("not_loss", rank=rank, kind=type(loss).__name__), T("return_loss")).fail()
     if abs(loss - ref.loss) > 1e-5 * max(1.0, abs(ref.loss)):
-        hint = "return the mean over the ranks of their losses (ctx.all_reduce(..., op='mean') on every rank)"
+        hint = T("mean_loss")
         if n > 1 and abs(loss - local_loss) <= 1e-6 * max(1.0, abs(local_loss)):
-            hint = (f"rank {rank} returned its own slice's loss: all-reduce the loss (op='mean') on every rank to get "
-                    "the global one")
+            hint = T("own_loss", rank=rank)
         elif n > 1 and abs(loss - n * ref.loss) <= 1e-5 * n * abs(ref.loss):
-            hint = f"that is {n}x the global loss: average the losses (op='mean'), do not sum them"
-        CheckFailure(check, where, f"rank {rank} returned the loss {loss:.6g}, one process's is {ref.loss:.6g}",
-                     hint).fail()
+            hint = T("loss_summed", n=n)
+        CheckFailure(check, where, T("wrong_loss", rank=rank, loss=loss, ref=ref.loss), hint).fail()

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_course.classroom.checks._common import CheckFailure, exception_hint, require_callable
+from fsdp_course.classroom.checks._common import T as COMMON
+from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.launch import start_torchrun, torchrun_command
 
@@ -47,6 +49,67 @@ WORLD_SIZE = 2
 TORCHRUN_TIMEOUT = 240.0
 LAYERS = ("encoder.layers.0", "encoder.layers.1")
 EXPECTED_UNITS = [*LAYERS, "root"]  # in the order fully_shard must be applied
+
+T = catalogue("real_fsdp", {
+    "loss_differs": ("fully_shard's loss {theirs:.6f} differs from the course's FSDP's {ours:.6f} by {gap:.1e} "
+                     "(relative), above {tol:g}",
+                     "fully_shard 的损失 {theirs:.6f} 与课程 FSDP 的损失 {ours:.6f} 的相对差为 {gap:.1e}，"
+                     "超过了 {tol:g}"),
+    "exact_units": ("shard exactly the course's units, each with mesh=mesh and no other options",
+                    "只分片课程的这些单元，每个都用 mesh=mesh，不加其他选项"),
+    "import_inside": ("the function runs in fresh processes, where only torch, nn and fully_shard are imported: import "
+                      "anything else it uses inside the function",
+                      "函数在全新的进程中运行，那里只导入了 torch、nn 和 fully_shard："
+                      "它用到的其他东西要在函数内部导入"),
+    "layers_first": ("fully_shard the layers first and the model last: applied to the model first, the root unit takes "
+                     "every parameter, and the layers' fully_shard then finds no parameter of their own",
+                     "先对各层调用 fully_shard，最后才是模型：如果先用在模型上，根单元会拿走所有参数，"
+                     "之后各层的 fully_shard 就找不到属于自己的参数了"),
+    "root_first": ("fully_shard was applied in the order {calls}: the root before {after}",
+                   "fully_shard 的调用顺序是 {calls}：根单元排在 {after} 之前"),
+    "bottom_up": ("bottom-up, as fully_shard's docs ask: every layer first, then fully_shard(model) last; the root "
+                  "sharded first would take every parameter into one unit",
+                  "按 fully_shard 文档的要求自底向上：先对每一层调用 fully_shard，最后才是 fully_shard(model)；"
+                  "如果先分片根模块，它会把所有参数都放进同一个单元"),
+    "root_missing": ("the model itself is not sharded: fully_shard was applied to {units} only",
+                     "模型本身没有分片：fully_shard 只用在了 {units} 上"),
+    "finish_root": ("finish with fully_shard(model, mesh=mesh): the root unit holds what no layer owns (embeddings, "
+                    "final norm, head); without it those parameters are neither sharded nor averaged over the ranks, "
+                    "and the replicas drift apart",
+                    "最后调用 fully_shard(model, mesh=mesh)：根单元持有不属于任何层的参数（嵌入、最后的 norm、"
+                    "分类头）；没有它，这些参数既不分片，也不在各 rank 间平均，各副本会逐渐分叉"),
+    "layer_missing": ("{n} units ({units}), expected {expected}: {missing} not a unit of its own",
+                      "{n} 个单元（{units}），应为 {expected} 个：{missing} 不是一个独立的单元"),
+    "every_layer": ("call fully_shard(layer, mesh=mesh) for every layer in model.encoder.layers before the model",
+                    "在模型之前，对 model.encoder.layers 中的每一层调用 fully_shard(layer, mesh=mesh)"),
+    "extra_units": ("{n} units, expected {expected}: {extra} made units as well",
+                    "{n} 个单元，应为 {expected} 个：{extra} 也被做成了单元"),
+    "only_course_units": ("the course's units are the encoder layers and the root, nothing else",
+                          "课程的单元是各编码器层和根单元，没有别的"),
+    "no_source": ("the source of {name} cannot be found", "找不到 {name} 的源代码"),
+    "define_it": ("define it in a notebook cell or a .py file: torchrun's processes run its source",
+                  "在 notebook 的单元格或 .py 文件里定义它：torchrun 的进程运行的是它的源代码"),
+    "timeout": ("torchrun did not finish within {timeout:g} s", "torchrun 没有在 {timeout:g} 秒内结束"),
+    "only_fully_shard": ("{name} must only call fully_shard", "{name} 只能调用 fully_shard"),
+    "reported_nothing": ("rank {rank}'s process reported nothing (torchrun exit code {code})",
+                         "rank {rank} 的进程什么也没有报告（torchrun 退出码 {code}）"),
+    "fresh_process": ("{name} runs in a fresh process: it may use only its arguments, torch and fully_shard",
+                      "{name} 在一个全新的进程里运行：只能使用它的参数、torch 和 fully_shard"),
+    "process_raised": ("the process raised {error}", "该进程抛出了 {error}"),
+    "in_fresh_process": ("{hint} (the function runs in a fresh process: it may use only its arguments, torch and "
+                         "fully_shard)",
+                         "{hint}（函数在一个全新的进程里运行：只能使用它的参数、torch 和 fully_shard）"),
+    "fsdp_states": ("{got} FSDP states under torchrun, expected {expected}: one per encoder layer and the root",
+                    "torchrun 下有 {got} 个 FSDP 状态，应为 {expected} 个：每个编码器层一个，再加根单元"),
+    "layers_then_model": ("fully_shard(layer, mesh=mesh) for every layer, then fully_shard(model, mesh=mesh)",
+                          "对每一层调用 fully_shard(layer, mesh=mesh)，然后调用 fully_shard(model, mesh=mesh)"),
+    "all_gathers": ("{per_step:g} all-gathers per step, expected {expected}: the root once and every layer twice",
+                    "每步 {per_step:g} 次全聚合，应为 {expected} 次：根单元一次，每一层两次"),
+    "default_reshard": ("shard every layer, then the model, with the default reshard_after_forward (the root stays "
+                        "gathered, the layers are gathered again in the backward)",
+                        "先分片每一层，再分片模型，使用默认的 reshard_after_forward（根单元保持全聚合，"
+                        "各层在反向时再全聚合一次）"),
+})
 
 
 def _model() -> nn.Module:
@@ -130,7 +193,8 @@ def _structure(check: str, name: str, fn: Callable[..., Any]) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001  (reported, or left to the torchrun run)
         if calls:
             CheckFailure(check, "fully_shard's calls, recorded in this process",
-                         f"{name} raised {type(exc).__name__}: {exc}", _hint(exc), learner_frames(exc)).fail()
+                         COMMON("learner_raised", name=name, kind=type(exc).__name__, text=str(exc)), _hint(exc),
+                         learner_frames(exc)).fail()
     finally:
         torch_fsdp.fully_shard = real
         if patched:
@@ -166,9 +230,8 @@ def _verdict(check: str, runs: list[dict[str, Any]]) -> None:
     if max(gaps) > TOL:
         step = max(range(STEPS), key=gaps.__getitem__)
         CheckFailure(check, f"world size {WORLD_SIZE}, torchrun, step {step}",
-                     f"fully_shard's loss {theirs[step]:.6f} differs from the course's FSDP's {ours[step]:.6f} by "
-                     f"{gaps[step]:.1e} (relative), above {TOL:g}",
-                     "shard exactly the course's units, each with mesh=mesh and no other options",
+                     T("loss_differs", theirs=theirs[step], ours=ours[step], gap=gaps[step], tol=TOL),
+                     T("exact_units"),
                      [f"losses, fully_shard: {[round(v, 6) for v in theirs]}",
                       f"losses, course FSDP: {[round(v, 6) for v in ours]}"]).fail()
     print(f"All tests in {check} passed (world sizes {WORLD_SIZE})")
@@ -180,38 +243,29 @@ def _verdict(check: str, runs: list[dict[str, Any]]) -> None:
         print(f"  {step:>4}  {a:>16.4f}  {b:>16.4f}  {'below 1e-5' if gap < TOL else f'{gap:.1e}'}")
 
 
-def _hint(exc: BaseException) -> str:
+def _hint(exc: BaseException) -> Message:
     if isinstance(exc, NameError) or "is not defined" in str(exc):
-        return ("the function runs in fresh processes, where only torch, nn and fully_shard are imported: import "
-                "anything else it uses inside the function")
+        return T("import_inside")
     if "Invariant encountered" in str(exc):
-        return ("fully_shard the layers first and the model last: applied to the model first, the root unit "
-                "takes every parameter, and the layers' fully_shard then finds no parameter of their own")
+        return T("layers_first")
     return exception_hint(exc)
 
 
 def _judge_structure(check: str, where: str, report: dict[str, Any]) -> None:
     calls, units = report["calls"], report["units"]
     if report["recorded"] and "root" in calls and calls.index("root") < len(calls) - 1:
-        CheckFailure(check, where, f"fully_shard was applied in the order {calls}: the root before "
-                     f"{', '.join(calls[calls.index('root') + 1:])}",
-                     "bottom-up, as fully_shard's docs ask: every layer first, then fully_shard(model) last; the root "
-                     "sharded first would take every parameter into one unit").fail()
+        CheckFailure(check, where, T("root_first", calls=calls, after=", ".join(calls[calls.index("root") + 1:])),
+                     T("bottom_up")).fail()
     if "root" not in units:
-        CheckFailure(check, where, f"the model itself is not sharded: fully_shard was applied to {units} only",
-                     "finish with fully_shard(model, mesh=mesh): the root unit holds what no layer owns (embeddings, "
-                     "final norm, head); without it those parameters are neither sharded nor averaged over the ranks, "
-                     "and the replicas drift apart").fail()
+        CheckFailure(check, where, T("root_missing", units=units), T("finish_root")).fail()
     missing = [u for u in LAYERS if u not in units]
     if missing:
-        CheckFailure(check, where, f"{len(units)} units ({units}), expected {len(EXPECTED_UNITS)}: "
-                     f"{', '.join(missing)} not a unit of its own",
-                     "call fully_shard(layer, mesh=mesh) for every layer in model.encoder.layers before the "
-                     "model").fail()
+        CheckFailure(check, where, T("layer_missing", n=len(units), units=units, expected=len(EXPECTED_UNITS),
+                                     missing=", ".join(missing)), T("every_layer")).fail()
     extra = [u for u in units if u not in EXPECTED_UNITS]
     if extra:
-        CheckFailure(check, where, f"{len(units)} units, expected {len(EXPECTED_UNITS)}: {extra} made units "
-                     "as well", "the course's units are the encoder layers and the root, nothing else").fail()
+        CheckFailure(check, where, T("extra_units", n=len(units), expected=len(EXPECTED_UNITS), extra=extra),
+                     T("only_course_units")).fail()
 
 
 # What each torchrun process runs: the learner's source in a namespace holding only these imports, then
@@ -268,8 +322,7 @@ def _torchrun(check: str, fn: Callable[..., Any], name: str) -> list[dict[str, A
     try:
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
-        CheckFailure(check, where, f"the source of {name} cannot be found",
-                     "define it in a notebook cell or a .py file: torchrun's processes run its source").fail()
+        CheckFailure(check, where, T("no_source", name=name), T("define_it")).fail()
     with tempfile.TemporaryDirectory(prefix="fsdp_course_fully_shard_") as tmp:
         script = os.path.join(tmp, "fully_shard_under_torchrun.py")
         Path(script).write_text(_SCRIPT)
@@ -280,15 +333,14 @@ def _torchrun(check: str, fn: Callable[..., Any], name: str) -> list[dict[str, A
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
-            CheckFailure(check, where, f"torchrun did not finish within {TORCHRUN_TIMEOUT:g} s",
-                         f"{name} must only call fully_shard").fail()
+            CheckFailure(check, where, T("timeout", timeout=TORCHRUN_TIMEOUT), T("only_fully_shard", name=name)
+                         ).fail()
         runs = []
         for rank in range(WORLD_SIZE):
             path = Path(tmp, f"rank{rank}.json")
             if not path.exists():
-                CheckFailure(check, where, f"rank {rank}'s process reported nothing (torchrun exit code "
-                             f"{proc.returncode})", f"{name} runs in a fresh process: it may use only its arguments, "
-                             "torch and fully_shard", stderr.strip().splitlines()[-6:]).fail()
+                CheckFailure(check, where, T("reported_nothing", rank=rank, code=proc.returncode),
+                             T("fresh_process", name=name), stderr.strip().splitlines()[-6:]).fail()
             runs.append(json.loads(path.read_text()))
     return runs
 
@@ -297,16 +349,12 @@ def _judge_run(check: str, runs: list[dict[str, Any]]) -> None:
     where = f"world size {WORLD_SIZE}, torchrun"
     for rank, run in enumerate(runs):
         if "error" in run:
-            CheckFailure(check, f"{where}, rank {rank}", f"the process raised {run['error']}",
-                         f"{_hint(RuntimeError(run['error']))} (the function runs in a fresh process: it may use only "
-                         "its arguments, torch and fully_shard)").fail()
+            CheckFailure(check, f"{where}, rank {rank}", T("process_raised", error=run["error"]),
+                         T("in_fresh_process", hint=_hint(RuntimeError(run["error"])))).fail()
     if runs[0]["units"] != len(EXPECTED_UNITS):
-        CheckFailure(check, where, f"{runs[0]['units']} FSDP states under torchrun, expected {len(EXPECTED_UNITS)}: "
-                     "one per encoder layer and the root",
-                     "fully_shard(layer, mesh=mesh) for every layer, then fully_shard(model, mesh=mesh)").fail()
+        CheckFailure(check, where, T("fsdp_states", got=runs[0]["units"], expected=len(EXPECTED_UNITS)),
+                     T("layers_then_model")).fail()
     per_step = runs[0]["all_gathers"] / STEPS
     expected = 1 + 2 * len(LAYERS)  # the root once, every layer in forward and again in backward
     if per_step != expected:
-        CheckFailure(check, where, f"{per_step:g} all-gathers per step, expected {expected}: the root once and every "
-                     "layer twice", "shard every layer, then the model, with the default reshard_after_forward "
-                     "(the root stays gathered, the layers are gathered again in the backward)").fail()
+        CheckFailure(check, where, T("all_gathers", per_step=per_step, expected=expected), T("default_reshard")).fail()

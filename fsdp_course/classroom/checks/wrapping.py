@@ -43,6 +43,7 @@ from fsdp_course.classroom.checks._common import (
 )
 from fsdp_course.fsdp import FSDP
 from fsdp_course.fsdp.flat_param import padded_numel
+from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.memory import attach, zero_formula
 from fsdp_course.models import TransformerClassifier, TransformerConfig, count_parameters
 from fsdp_course.runtime.context import RankContext
@@ -65,6 +66,94 @@ PEAK_CASES: tuple[tuple[dict[str, int], int], ...] = (
     ({"root": 396, "embedding": 12288, "pos_embedding": 513, "encoder.layers.0": 12705, "encoder.layers.1": 12705}, 3),
     ({"root": 38602}, 2),
 )
+
+T = catalogue("wrapping", {
+    "not_dict": ("returned {kind}, not a dict of unit name -> int", "返回了 {kind}，不是“单元名 -> int”的 dict"),
+    "return_dict": ("return a dict such as {{'root': 13130, 'encoder.layers.0': 12704, ...}}: unit name to padded "
+                    "numel", "返回一个 dict，例如 {{'root': 13130, 'encoder.layers.0': 12704, ...}}：单元名映射到"
+                    "填充后的 numel"),
+    "no_root": ("there is no 'root' unit", "没有 'root' 单元"),
+    "root_unit": ("the parameters that no wrapped module owns (here at least the head, fc) form the root unit, named "
+                  "'root': FSDP always wraps the model itself last",
+                  "不属于任何被包装模块的参数（这里至少有分类头 fc）组成根单元，名为 'root'："
+                  "FSDP 总是最后包装模型本身"),
+    "units_differ": ("the units differ: missing {missing}, unexpected {extra}",
+                     "单元不一致：缺少 {missing}，多出 {extra}"),
+    "unit_named": ("a unit is named by its module's path in model.named_modules() (e.g. 'encoder.layers.0'); a wrapped "
+                   "module inside another wrapped module is a unit of its own, and the model itself is 'root'",
+                   "单元以其模块在 model.named_modules() 中的路径命名（例如 'encoder.layers.0'）；被包装模块里面的"
+                   "被包装模块是一个独立的单元，模型本身是 'root'"),
+    "no_padding": ("unit {unit!r} has {got} elements, FSDP's flat parameter has {expected}: no padding",
+                   "单元 {unit!r} 有 {got} 个元素，而 FSDP 的展平参数有 {expected} 个：没有填充"),
+    "pad_every": ("pad every unit to a multiple of the world size: {got} -> {expected} (lesson 05)",
+                  "把每个单元填充到 world size 的整数倍：{got} -> {expected}（第 05 课）"),
+    "root_counts": ("the root unit has {got} elements, expected {expected}: it counts parameters that belong to "
+                    "wrapped units",
+                    "根单元有 {got} 个元素，应为 {expected}：它把属于被包装单元的参数也算进去了"),
+    "nearest": ("a parameter belongs to its nearest wrapped ancestor only: the root gets what no wrapped module owns",
+                "参数只属于离它最近的被包装祖先：根单元只拿到不属于任何被包装模块的参数"),
+    "unit_numel": ("unit {unit!r} has {got} elements, expected {expected}",
+                   "单元 {unit!r} 有 {got} 个元素，应为 {expected}"),
+    "count_unit": ("count a unit's parameters that no wrapped module inside it owns, then pad to a multiple of the "
+                   "world size", "统计一个单元中不属于它内部任何被包装模块的参数，再填充到 world size 的整数倍"),
+    "root_note": (", all that no wrapped module owns,", "（即不属于任何被包装模块的全部参数）"),
+    "largest_unit": ("the largest unit is {unit!r} with {numel} elements{root_note} larger than one encoder layer "
+                     "({layer})", "最大的单元是 {unit!r}{root_note}，有 {numel} 个元素，比一个编码器层（{layer}）还大"),
+    "wrap_classes": ("wrap the module classes whose parameters would otherwise stay together: every encoder layer, "
+                     "and the embeddings (nn.Embedding), so that the root keeps only the final norm and the head",
+                     "包装那些若不单独包装、参数就会全部留在同一个单元里的模块类：每个编码器层，"
+                     "以及嵌入层（nn.Embedding），这样根单元只保留最后的 norm 和分类头"),
+    "peak_outside": ("measured peak {peak} bytes, predicted {predicted:.0f}: ratio {ratio:.3f}, outside [{bound}, 1]",
+                     "实测峰值 {peak} 字节，预测为 {predicted:.0f}：比值 {ratio:.3f}，不在 [{bound}, 1] 之内"),
+    "formula_units": ("predicted_peak must be 16Ψ/N + 8 · largest for these units",
+                      "对这些单元，predicted_peak 必须是 16Ψ/N + 8 · largest"),
+    "wrap_set": ("wrap_policy() returns a set of module classes, e.g. {{nn.TransformerEncoderLayer}}: the classes, not "
+                 "instances or names",
+                 "wrap_policy() 返回一个模块类的集合，例如 {{nn.TransformerEncoderLayer}}：是类，不是实例或名字"),
+    "functional": ("a class used through functional code inside another module (nn.Linear inside attention) cannot be "
+                   "a unit: wrap whole blocks (nn.TransformerEncoderLayer) and nn.Embedding",
+                   "在另一个模块内部通过函数式代码使用的类（例如注意力里的 nn.Linear）不能成为单元：包装整个块"
+                   "（nn.TransformerEncoderLayer）和 nn.Embedding"),
+    "not_number": ("returned {kind}, not a number of bytes", "返回了 {kind}，不是字节数"),
+    "return_float": ("return 16 * psi / world_size + 8 * largest, a float",
+                     "返回 16 * psi / world_size + 8 * largest，一个 float"),
+    # the mistakes a prediction is recognised by (why), and their hints
+    "why_root_not_largest": ("the largest unit ignores the root", "取最大单元时没有考虑根单元"),
+    "why_psi_no_root": ("Ψ leaves out the root", "Ψ 漏掉了根单元"),
+    "why_both_no_root": ("Ψ and the largest unit both leave out the root", "Ψ 和最大单元都漏掉了根单元"),
+    "why_not_divided": ("16Ψ is not divided by N", "16Ψ 没有除以 N"),
+    "why_four": ("4 · largest: the gathered parameters without their gradient", "4 · largest：只算了全聚合的参数，"
+                 "没有算它们的梯度"),
+    "why_no_largest": ("the largest unit is not divided out: 16Ψ/N alone", "漏掉了最大单元那一项：只有 16Ψ/N"),
+    "why_first": ("the first unit is not the largest", "第一个单元并不是最大的单元"),
+    "why_elements": ("the units are in elements, not bytes", "单位是元素个数，不是字节数"),
+    "root_too": ("the root is a unit too ({root} elements here), gathered beside every other unit: take the largest "
+                 "over all units, root included",
+                 "根单元也是一个单元（这里有 {root} 个元素），在其他每个单元全聚合时它也处于全聚合状态：在所有单元中取"
+                 "最大，包括根单元"),
+    "psi_sum": ("Ψ is the sum of every unit's padded size, the root's included",
+                "Ψ 是每个单元填充后大小之和，包括根单元"),
+    "root_in_both": ("the root is a unit too: count it in Ψ and in the largest",
+                     "根单元也是一个单元：把它计入 Ψ，也在取最大单元时考虑它"),
+    "keep_1n": ("each rank keeps 1/N of the parameters, gradients and Adam's state: 16Ψ/N",
+                "每个 rank 保留 1/N 的参数、梯度和 Adam 状态：16Ψ/N"),
+    "holds_both": ("while the largest unit computes its gradient it holds its gathered parameters and its full "
+                   "gradient: 8 bytes per element",
+                   "最大单元计算梯度时，同时持有全聚合的参数和完整梯度：每个元素 8 字节"),
+    "add_largest": ("add 8 · largest: the unit gathered while it computes",
+                    "加上 8 · largest：计算时被全聚合的那个单元"),
+    "take_max": ("take max(numels.values()), not the first unit", "取 max(numels.values())，而不是第一个单元"),
+    "fp32": ("fp32: 4 bytes per element, so 16 bytes per element of Ψ/N", "fp32：每个元素 4 字节，所以 Ψ/N 的每个元素"
+             "占 16 字节"),
+    "predicted_why": ("predicted {got:.0f} bytes, expected {expected:.0f}: {why}",
+                      "预测为 {got:.0f} 字节，应为 {expected:.0f}：{why}"),
+    "predicted_off": ("predicted {got:.0f} bytes, expected {expected:.0f} (16Ψ/N + 8 · largest)",
+                      "预测为 {got:.0f} 字节，应为 {expected:.0f}（16Ψ/N + 8 · largest）"),
+    "formula": ("Ψ = the sum of the padded unit sizes; largest = the largest unit, root included; fp32 AdamW: 16 "
+                "bytes per element of Ψ/N, 8 per element of the largest unit",
+                "Ψ = 各单元填充后大小之和；largest = 最大的单元，包括根单元；fp32 AdamW：Ψ/N 的每个元素 16 字节，"
+                "最大单元的每个元素 8 字节"),
+})
 
 
 def exercise_model() -> TransformerClassifier:
@@ -102,38 +191,29 @@ def check_unit_numels(fn: Callable[[nn.Module, Any, int], dict[str, int]],
 
 
 def _judge_units(check: str, where: str, model: nn.Module, n: int, expected: dict[str, int], got: Any) -> None:
-    def fail(problem: str, hint: str) -> None:
+    def fail(problem: Message, hint: Message) -> None:
         shown = _describe(got) if isinstance(got, dict) else repr(got)
         CheckFailure(check, where, problem, hint, [f"expected {_describe(expected)}", f"got      {shown}"]).fail()
 
     if not isinstance(got, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
                                             for k, v in got.items()):
-        fail(f"returned {type(got).__name__}, not a dict of unit name -> int",
-             "return a dict such as {'root': 13130, 'encoder.layers.0': 12704, ...}: unit name to padded numel")
+        fail(T("not_dict", kind=type(got).__name__), T("return_dict"))
     if got == expected:
         return
     if "root" not in got:
-        fail("there is no 'root' unit",
-             "the parameters that no wrapped module owns (here at least the head, fc) form the root unit, "
-             "named 'root': FSDP always wraps the model itself last")
+        fail(T("no_root"), T("root_unit"))
     if set(got) != set(expected):
         missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
-        fail(f"the units differ: missing {missing}, unexpected {extra}",
-             "a unit is named by its module's path in model.named_modules() (e.g. 'encoder.layers.0'); a wrapped "
-             "module inside another wrapped module is a unit of its own, and the model itself is 'root'")
+        fail(T("units_differ", missing=missing, extra=extra), T("unit_named"))
     for k in expected:
         if got[k] == expected[k]:
             continue
         if n > 1 and got[k] < expected[k] and padded_numel(got[k], n) == expected[k]:
-            fail(f"unit {k!r} has {got[k]} elements, FSDP's flat parameter has {expected[k]}: no padding",
-                 f"pad every unit to a multiple of the world size: {got[k]} -> {expected[k]} (lesson 05)")
+            fail(T("no_padding", unit=k, got=got[k], expected=expected[k]),
+                 T("pad_every", got=got[k], expected=expected[k]))
         if k == "root" and got[k] > expected[k]:
-            fail(f"the root unit has {got[k]} elements, expected {expected[k]}: it counts parameters that "
-                 "belong to wrapped units",
-                 "a parameter belongs to its nearest wrapped ancestor only: the root gets what no wrapped module owns")
-        fail(f"unit {k!r} has {got[k]} elements, expected {expected[k]}",
-             "count a unit's parameters that no wrapped module inside it owns, then pad to a multiple of the "
-             "world size")
+            fail(T("root_counts", got=got[k], expected=expected[k]), T("nearest"))
+        fail(T("unit_numel", unit=k, got=got[k], expected=expected[k]), T("count_unit"))
 
 
 def measure_peak(wrap: set[type[nn.Module]] | None, world_size: int, model: nn.Module | None = None,
@@ -185,22 +265,18 @@ def check_predicted_peak(fn: Callable[[dict[str, int], int], float], wrap_policy
         numels = runs[0]["numels"]
         largest_name = max(numels, key=numels.get)
         if numels[largest_name] > padded_numel(layer, n):
-            root_note = ", all that no wrapped module owns," if largest_name == "root" else ""
-            CheckFailure(check, where, f"the largest unit is {largest_name!r} with {numels[largest_name]} elements"
-                         f"{root_note} larger than one encoder layer ({padded_numel(layer, n)})",
-                         "wrap the module classes whose parameters would otherwise stay together: every encoder "
-                         "layer, and the embeddings (nn.Embedding), so that the root keeps only the final norm and the "
-                         "head",
-                         [f"units {_describe(numels)}"]).fail()
+            root_note = T("root_note") if largest_name == "root" else ""
+            CheckFailure(check, where, T("largest_unit", unit=largest_name, numel=numels[largest_name],
+                                         root_note=root_note, layer=padded_numel(layer, n)),
+                         T("wrap_classes"), [f"units {_describe(numels)}"]).fail()
         predicted = call_learner(check, name, fn, dict(numels), n, where=where)
         peak = runs[0]["peak"]
         if not all(r["peak"] == peak for r in runs):
             raise AssertionError("equal shards: every rank holds the same bytes")  # the course's invariant
         ratio = peak / float(predicted)
         if not PEAK_BOUND * predicted <= peak <= predicted:
-            CheckFailure(check, where, f"measured peak {peak} bytes, predicted {float(predicted):.0f}: ratio "
-                         f"{ratio:.3f}, outside [{PEAK_BOUND}, 1]",
-                         "predicted_peak must be 16Ψ/N + 8 · largest for these units").fail()
+            CheckFailure(check, where, T("peak_outside", peak=peak, predicted=float(predicted), ratio=ratio,
+                                         bound=PEAK_BOUND), T("formula_units")).fail()
         lines.append(f"  world size {n}: {len(numels)} units, largest {largest_name!r} ({numels[largest_name]}); "
                      f"measured peak {peak} bytes at '{runs[0]['peak_label']}' = {ratio:.3f} x predicted "
                      f"{float(predicted):.0f}")
@@ -216,13 +292,11 @@ def _policy_text(wrap: Any) -> str:
     return repr(wrap)
 
 
-def _wrap_hint(exc: BaseException) -> str:
+def _wrap_hint(exc: BaseException) -> Message:
     if "wrap must be a set of nn.Module classes" in str(exc):
-        return ("wrap_policy() returns a set of module classes, e.g. {nn.TransformerEncoderLayer}: the classes, not "
-                "instances or names")
+        return T("wrap_set")
     if "is sharded by FSDP" in str(exc):
-        return ("a class used through functional code inside another module (nn.Linear inside attention) cannot be "
-                "a unit: wrap whole blocks (nn.TransformerEncoderLayer) and nn.Embedding")
+        return T("functional")
     return exception_hint(exc)
 
 
@@ -230,8 +304,7 @@ def _judge_prediction(check: str, name: str, fn: Callable[..., Any], numels: dic
                       where: str) -> None:
     got = call_learner(check, name, fn, dict(numels), n, where=where)
     if isinstance(got, bool) or not isinstance(got, int | float | torch.Tensor):
-        CheckFailure(check, where, f"returned {type(got).__name__}, not a number of bytes",
-                     "return 16 * psi / world_size + 8 * largest, a float").fail()
+        CheckFailure(check, where, T("not_number", kind=type(got).__name__), T("return_float")).fail()
     got = float(got)
     psi, largest = sum(numels.values()), max(numels.values())
     expected = zero_formula(psi, n, "fsdp", gathered_numel=largest)["total"]
@@ -240,34 +313,19 @@ def _judge_prediction(check: str, name: str, fn: Callable[..., Any], numels: dic
     without_root = {k: v for k, v in numels.items() if k != "root"}
     largest_wrapped = max(without_root.values()) if without_root else 0
     first = next(iter(numels.values()))
-    known = {
-        "the largest unit ignores the root": 16 * psi / n + 8 * largest_wrapped,
-        "Ψ leaves out the root": 16 * sum(without_root.values()) / n + 8 * largest,
-        "Ψ and the largest unit both leave out the root": 16 * sum(without_root.values()) / n + 8 * largest_wrapped,
-        "16Ψ is not divided by N": 16 * psi + 8 * largest,
-        "4 · largest: the gathered parameters without their gradient": 16 * psi / n + 4 * largest,
-        "the largest unit is not divided out: 16Ψ/N alone": 16 * psi / n,
-        "the first unit is not the largest": 16 * psi / n + 8 * first,
-        "the units are in elements, not bytes": (16 * psi / n + 8 * largest) / 4,
-    }
-    hints = {
-        "the largest unit ignores the root": f"the root is a unit too ({numels.get('root')} elements here), gathered "
-                                             "beside every other unit: take the largest over all units, root included",
-        "Ψ leaves out the root": "Ψ is the sum of every unit's padded size, the root's included",
-        "Ψ and the largest unit both leave out the root": "the root is a unit too: count it in Ψ and in the largest",
-        "16Ψ is not divided by N": "each rank keeps 1/N of the parameters, gradients and Adam's state: 16Ψ/N",
-        "4 · largest: the gathered parameters without their gradient":
-            "while the largest unit computes its gradient it holds its gathered parameters and its full gradient: "
-            "8 bytes per element",
-        "the largest unit is not divided out: 16Ψ/N alone": "add 8 · largest: the unit gathered while it computes",
-        "the first unit is not the largest": "take max(numels.values()), not the first unit",
-        "the units are in elements, not bytes": "fp32: 4 bytes per element, so 16 bytes per element of Ψ/N",
-    }
-    for why, value in known.items():
+    known = [  # what a mistake predicts, the mistake, its hint
+        (16 * psi / n + 8 * largest_wrapped, T("why_root_not_largest"), T("root_too", root=numels.get("root"))),
+        (16 * sum(without_root.values()) / n + 8 * largest, T("why_psi_no_root"), T("psi_sum")),
+        (16 * sum(without_root.values()) / n + 8 * largest_wrapped, T("why_both_no_root"), T("root_in_both")),
+        (16 * psi + 8 * largest, T("why_not_divided"), T("keep_1n")),
+        (16 * psi / n + 4 * largest, T("why_four"), T("holds_both")),
+        (16 * psi / n, T("why_no_largest"), T("add_largest")),
+        (16 * psi / n + 8 * first, T("why_first"), T("take_max")),
+        ((16 * psi / n + 8 * largest) / 4, T("why_elements"), T("fp32")),
+    ]
+    for value, why, hint in known:
         if value != expected and abs(got - value) <= 1e-6 * max(value, 1.0):
-            CheckFailure(check, where, f"predicted {got:.0f} bytes, expected {expected:.0f}: {why}", hints[why],
+            CheckFailure(check, where, T("predicted_why", got=got, expected=expected, why=why), hint,
                          [f"Ψ = {psi}, largest unit {max(numels, key=numels.get)!r} = {largest}"]).fail()
-    CheckFailure(check, where, f"predicted {got:.0f} bytes, expected {expected:.0f} (16Ψ/N + 8 · largest)",
-                 "Ψ = the sum of the padded unit sizes; largest = the largest unit, root included; fp32 AdamW: "
-                 "16 bytes per element of Ψ/N, 8 per element of the largest unit",
+    CheckFailure(check, where, T("predicted_off", got=got, expected=expected), T("formula"),
                  [f"Ψ = {psi}, largest unit {max(numels, key=numels.get)!r} = {largest}"]).fail()

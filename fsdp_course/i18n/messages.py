@@ -1,0 +1,76 @@
+"""Messages a learner reads, by id, with their English and Chinese side by side in the module that shows them.
+
+`T = catalogue("hsdp", {"too_large": ("{n}x too large", "大了 {n} 倍")})` registers "hsdp.too_large" and returns
+`T`, which makes a `Message` from an id and its fields: `T("too_large", n=4)`. A Message renders in either language.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CATALOGUE", "Message", "catalogue", "fields_of"]
+
+CATALOGUE: dict[str, dict[str, str]] = {}  # "module.id" -> {"en": template, "zh": template}
+_CJK = re.compile(r"[\u3400-\u9fff]")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One catalogued message with its fields; `str()` is its English."""
+
+    id: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def render(self, lang: str) -> str:
+        """The message in `lang` ("en" or "zh"); fields that are Messages render in the same language."""
+        values = {k: v.render(lang) if isinstance(v, Message) else v for k, v in self.fields.items()}
+        return CATALOGUE[self.id][lang].format(**values)
+
+    @property
+    def en(self) -> str:
+        return self.render("en")
+
+    @property
+    def zh(self) -> str:
+        return self.render("zh")
+
+    def __str__(self) -> str:
+        return self.en
+
+
+def fields_of(template: str) -> set[str]:
+    """The names of the fields `template` formats, e.g. {"rank", "n"} for "rank {rank}: {n:g}x"."""
+    return {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(template) if name}
+
+
+def catalogue(module: str, entries: Mapping[str, tuple[str, str]]) -> Callable[..., Message]:
+    """Register `entries` (id -> (English, Chinese)) under `module.` and return the function that makes their
+    Messages. Refuses (ValueError, at import) an entry without its Chinese, or whose two templates use other fields."""
+    for key, pair in entries.items():
+        name = f"{module}.{key}"
+        if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(s, str) and s for s in pair)):
+            raise ValueError(f"message {name}: give (English, Chinese), two non-empty strings; got {pair!r}")
+        en, zh = pair
+        if _CJK.search(en) or not _CJK.search(zh):
+            raise ValueError(f"message {name}: the first template is the English, the second the Chinese: {pair!r}")
+        if fields_of(en) != fields_of(zh):
+            raise ValueError(f"message {name}: the English uses fields {sorted(fields_of(en))}, the Chinese "
+                             f"{sorted(fields_of(zh))}: both must fill the same ones")
+        if name in CATALOGUE and CATALOGUE[name] != {"en": en, "zh": zh}:
+            raise ValueError(f"message {name} is registered twice with different text")
+        CATALOGUE[name] = {"en": en, "zh": zh}
+
+    def make(key: str, /, **fields: Any) -> Message:
+        name = f"{module}.{key}"
+        if name not in CATALOGUE:
+            raise KeyError(f"no message {name!r}: add it to the catalogue of {module}")
+        missing = fields_of(CATALOGUE[name]["en"]) - set(fields)
+        if missing:
+            raise TypeError(f"message {name} needs the fields {sorted(missing)}")
+        return Message(name, dict(fields))
+
+    return make
