@@ -8,6 +8,7 @@ figure text translated at draw time, the CJK font and its fallback).
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -224,6 +225,8 @@ def test_a_figure_is_drawn_again_in_chinese_and_only_when_its_english_changed(tm
     nb.cells.append(nbformat.v4.new_code_cell(
         "import matplotlib.pyplot as plt\nimport fsdp_course\nfig, ax = plt.subplots()\nax.plot([1, 2])\n"
         "ax.set_xlabel('world size N')\nplt.show()", id="fig"))
+    nb.cells.insert(-1, nbformat.v4.new_code_cell("from fsdp_course.i18n import language\nprint(language())", id="lang",
+                                                  metadata={"tags": [tr.LOCALIZED]}))
     nbformat.write(nb, lesson)
     from fsdp_course.classroom.notebooks import run_notebook
 
@@ -232,7 +235,9 @@ def test_a_figure_is_drawn_again_in_chinese_and_only_when_its_english_changed(tm
     _translate(tr.catalog_path(lesson, tmp_path), {"m1": "# 01 · 分片", "m2": "每个 rank 保存一块。"})
     logs: list[str] = []
     tr.build_all(tmp_path, log=logs.append)
-    assert any("re-drawing 1 figure cell(s)" in line for line in logs)
+    assert any("re-drawing 2 cell(s)" in line for line in logs)  # the figure's and the localized cell's
+    said = [nbformat.read(p, 4).cells[-2].outputs[0]["text"] for p in (lesson, tr.target_path(lesson))]
+    assert said == ["en\n", "zh\n"]  # the localized cell's output comes from the Chinese run
     english = nbformat.read(lesson, 4).cells[-1].outputs
     chinese = nbformat.read(tr.target_path(lesson), 4).cells[-1].outputs
     png = [o["data"]["image/png"] for o in english if "image/png" in o.get("data", {})]
@@ -344,3 +349,14 @@ def test_make_lab_zh_opens_the_chinese_edition(argv: list[str], env: str | None,
         lab.main([*argv, "--no-browser", "--port", "0"])
     assert f"--LabApp.default_url=/lab/tree/{lesson}" in started.value.args[0]
     assert f"/lab/tree/{lesson}?token=" in capsys.readouterr().out
+
+
+def test_a_localized_cell_prints_in_the_readers_language() -> None:
+    """Lesson 00's course map is tagged `localized`: the Chinese twin keeps what the Chinese run printed (titles of the
+    Chinese notebooks), the English notebook the English; nbval checks both against a fresh run."""
+    outputs = {}
+    for path in (ROOT / "lessons" / "00_welcome.ipynb", ROOT / "lessons" / "zh" / "00_welcome.ipynb"):
+        cell = next(c for c in nbformat.read(path, 4).cells if tr.LOCALIZED in c.metadata.get("tags", []))
+        outputs[path.parent.name] = "".join(o.get("text", "") for o in cell.outputs)
+    assert "01  Collectives: broadcast" in outputs["lessons"] and not re.search(r"[\u4e00-\u9fff]", outputs["lessons"])
+    assert "01  集合通信" in outputs["zh"] and "练习" in outputs["zh"]

@@ -1,6 +1,7 @@
 """The course map lesson 00 prints: each lesson's title, its exercise, and its reading time estimated from its text.
 
-Read from the notebooks themselves (lessons/, exercises/ beside the package), so the map is never out of date."""
+Read from the notebooks themselves (lessons/, exercises/ beside the package), so the map is never out of date; in
+Chinese (`fsdp_course.i18n.language()`) with the Chinese notebooks' titles (lessons/zh/, exercises/zh/)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ CODE_LINES_PER_MINUTE = 10  # code lines (not blank) read with their output
 @dataclass(frozen=True)
 class Lesson:
     number: str           # "00" ... "19", "A1"
-    title: str            # the lesson's heading, without its number
+    title: str            # the lesson's heading, without its number (in the course's language)
     exercise: str | None  # the exercise's heading, or None
     words: int            # of its markdown
     code_lines: int       # of its code cells, blank lines left out
@@ -56,11 +57,18 @@ def _cells(path: Path) -> list[dict]:
 
 def _heading(cells: list[dict]) -> str:
     first = "".join(cells[0]["source"]).splitlines()[0] if cells else ""
-    return re.sub(r"^#\s*(Exercise\s+)?[0-9A-Z]+\d*\s*·\s*", "", first).strip()
+    return re.sub(r"^#\s*(Exercise\s+|练习\s*)?[0-9A-Z]+\d*\s*·\s*", "", first).strip()
 
 
-def course_map(root: Path | None = None) -> list[Lesson]:
-    """Every lesson of `root`/lessons in order, with its exercise from `root`/exercises."""
+def _title(path: Path, lang: str) -> str:
+    """The heading of `path`, or of its Chinese twin (zh/ beside it) in Chinese when there is one."""
+    twin = path.parent / "zh" / path.name
+    return _heading(_cells(twin if lang == "zh" and twin.exists() else path))
+
+
+def course_map(root: Path | None = None, lang: str = "en") -> list[Lesson]:
+    """Every lesson of `root`/lessons in order, with its exercise from `root`/exercises; titles in `lang`, minutes
+    from the English text."""
     root = ROOT if root is None else Path(root)
     lessons = sorted((root / "lessons").glob("[0-9A]*.ipynb"))
     if not lessons:
@@ -73,25 +81,67 @@ def course_map(root: Path | None = None) -> list[Lesson]:
         exercise = next(iter(sorted((root / "exercises").glob(f"{number}_*.ipynb"))), None)
         deeper = next((i for i, c in enumerate(cells) if c["cell_type"] == "markdown"
                        and "".join(c["source"]).startswith("## Going deeper")), len(cells))
-        found.append(Lesson(number, _heading(cells), _heading(_cells(exercise)) if exercise else None,
+        found.append(Lesson(number, _title(path, lang), _title(exercise, lang) if exercise else None,
                             *_count(cells), *_count(cells[:deeper])))
     return found
 
 
-def print_course_map(root: Path | None = None, widths: tuple[int, int] = (52, 24)) -> None:
+HEADERS = {"en": ("lesson", "exercise", "spine", "all"), "zh": ("课", "练习", "主线", "全部")}
+SUMMARY = {"en": "\n{n} lessons; minutes of reading at {words} words and {lines} code lines a minute, rounded up to "
+                 "5: the spines about {spine:.0f} hours, everything about {total:.0f} (running the cells and the "
+                 "exercises come on top)",
+           "zh": "\n共 {n} 课；按每分钟 {words} 个英文单词、{lines} 行代码估算的阅读分钟数，向上取整到 5："
+                 "主线约 {spine:.0f} 小时，全部约 {total:.0f} 小时（运行单元格和做练习的时间另计）"}
+
+
+def _width(text: str) -> int:
+    """Columns `text` takes in a monospaced font: a CJK character takes two."""
+    return sum(2 if "\u2e80" <= ch <= "\uffef" else 1 for ch in text)
+
+
+def _pad(text: str, width: int, right: bool = False) -> str:
+    space = " " * max(0, width - _width(text))
+    return space + text if right else text + space
+
+
+def _cut(text: str, width: int) -> str:
+    while _width(text) > width:
+        text = text[:-2] + "…"
+    return text
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    if _width(text) <= width:
+        return [text]
+    if " " in text and text.isascii():
+        return textwrap.wrap(text, width)
+    lines, line = [], ""
+    for ch in text:
+        if _width(line + ch) > width:
+            lines.append(line)
+            line = ch
+        else:
+            line += ch
+    return [*lines, line]
+
+
+def print_course_map(root: Path | None = None, widths: tuple[int, int] = (52, 24), lang: str | None = None) -> None:
     """The map as a table: lesson (its heading, wrapped at `widths[0]`), exercise (its heading up to the colon, cut
-    at `widths[1]`), minutes to read its spine, and all of it."""
+    at `widths[1]`), minutes to read its spine, and all of it; in `lang` (default: the course's language)."""
+    from fsdp_course.i18n import language
+
+    lang = language() if lang is None else lang
     a, b = widths
-    lessons = course_map(root)
-    print(f"{'':<3} {'lesson':<{a}}  {'exercise':<{b}}  {'spine':>5} {'all':>3}")
+    lessons = course_map(root, lang)
+    head = HEADERS[lang]
+    print(f"{'':<3} {_pad(head[0], a)}  {_pad(head[1], b)}  {_pad(head[2], 5, True)} {_pad(head[3], 3, True)}")
     for lesson in lessons:
-        exercise = (lesson.exercise or "-").split(": ", 1)[0]
-        exercise = exercise if len(exercise) <= b else exercise[:b - 1] + "…"
-        first, *more = textwrap.wrap(lesson.title, a)
-        print(f"{lesson.number:<3} {first:<{a}}  {exercise:<{b}}  {lesson.spine_minutes:>5} {lesson.minutes:>3}")
+        exercise = _cut(re.split(r": |：", lesson.exercise or "-", maxsplit=1)[0], b)
+        first, *more = _wrap(lesson.title, a)
+        minutes = f"{lesson.spine_minutes:>5} {lesson.minutes:>3}"
+        print(f"{lesson.number:<3} {_pad(first, a)}  {_pad(exercise, b)}  {minutes}")
         for line in more:
             print(f"{'':<3}   {line}")
     spine, total = (sum(getattr(m, k) for m in lessons) for k in ("spine_minutes", "minutes"))
-    print(f"\n{len(lessons)} lessons; minutes of reading at {WORDS_PER_MINUTE} words and {CODE_LINES_PER_MINUTE} code "
-          f"lines a minute, rounded up to 5: the spines about {spine / 60:.0f} hours, everything about "
-          f"{total / 60:.0f} (running the cells and the exercises come on top)")
+    print(SUMMARY[lang].format(n=len(lessons), words=WORDS_PER_MINUTE, lines=CODE_LINES_PER_MINUTE, spine=spine / 60,
+                               total=total / 60))

@@ -8,7 +8,9 @@ A catalog, `i18n/zh/lessons/03_memory.yml`, holds one entry per markdown cell of
 by the cell's id: `sha`, the first 12 hex digits of the SHA-256 of the English source it translates, and `zh`,
 the Chinese markdown. Code cells are not translated: the Chinese notebook has the English notebook's code cells
 and outputs, byte for byte, except its figures, which are drawn again with Chinese labels (the kernel runs with
-`FSDP_COURSE_LANG=zh`; `fsdp_course.i18n` translates a figure's text as it is drawn). So a change to an English
+`FSDP_COURSE_LANG=zh`; `fsdp_course.i18n` translates a figure's text as it is drawn), and the outputs of a cell
+tagged `localized` (what it prints speaks the reader's language, e.g. lesson 00's course map), taken whole from the
+same Chinese run. So a change to an English
 lesson flows like this: edit and re-run the English notebook as always; `status` names each markdown cell whose
 English changed since it was translated (its sha differs) and each new cell; update those entries (the new sha
 is printed); `make translations` writes the Chinese notebooks, re-drawing a figure only where its English figure
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import json
 import os
 import re
 import sys
@@ -40,6 +43,7 @@ KINDS = ("lessons", "exercises")
 LANG = "zh"
 _IMAGE = "image/png"
 _META = "fsdp_course_i18n"  # cell metadata of a re-drawn figure: the sha of the English figure it replaces
+LOCALIZED = "localized"  # the tag of a code cell whose outputs the Chinese run gives, whole
 
 
 def figure_texts_sha() -> str:
@@ -175,11 +179,17 @@ def _translated(nb: Any, catalog: dict[str, dict[str, Any]]) -> Any:
     return out
 
 
+def _localized(cell: Any) -> bool:
+    return cell.cell_type == "code" and LOCALIZED in cell.get("metadata", {}).get("tags", [])
+
+
 def _strip_images(nb: Any) -> Any:
-    """The notebook with every figure's pixels and re-draw record blanked: what must agree exactly."""
+    """The notebook with every figure's pixels, localized outputs and re-draw records blanked: what must agree."""
     nb = copy.deepcopy(nb)
     for cell in nb.cells:
         cell.get("metadata", {}).pop(_META, None)
+        if _localized(cell):
+            cell.outputs = []
         for out in cell.get("outputs", []):
             if _IMAGE in out.get("data", {}):
                 out["data"][_IMAGE] = ""
@@ -187,7 +197,9 @@ def _strip_images(nb: Any) -> Any:
 
 
 def _figure_shas(nb: Any) -> dict[int, list[str]]:
-    return {i: [sha(o["data"][_IMAGE]) for o in c.get("outputs", []) if _IMAGE in o.get("data", {})]
+    """Per code cell, what the Chinese run must redo: its figures' shas, or one sha of all its outputs if localized."""
+    return {i: [sha(json.dumps(c.outputs, sort_keys=True))] if _localized(c) else
+            [sha(o["data"][_IMAGE]) for o in c.get("outputs", []) if _IMAGE in o.get("data", {})]
             for i, c in enumerate(nb.cells) if c.cell_type == "code"}
 
 
@@ -311,13 +323,17 @@ def build(notebook: Path, root: Path = ROOT, *, redraw: bool = True, timeout: fl
         and len(_figure_shas(saved).get(i, [])) == len(shas))]
     fresh = None
     if stale and redraw:
-        log(f"  re-drawing {len(stale)} figure cell(s) of {notebook.name} in Chinese (running it)")
+        log(f"  re-drawing {len(stale)} cell(s) of {notebook.name} in Chinese (figures, localized outputs; running it)")
         fresh = _redraw(out, target.parent / ".build", timeout)
     for i, shas in english.items():
         if not shas:
             continue
         source = fresh if (i in stale and fresh is not None) else (saved if i not in stale else None)
         if source is None:  # no re-draw asked for: the English figure, marked as such
+            continue
+        if _localized(out.cells[i]):
+            out.cells[i].outputs = copy.deepcopy(source.cells[i].outputs)
+            out.cells[i].metadata[_META] = {"from": shas, "texts": figure_texts_sha()}
             continue
         images = [o["data"][_IMAGE] for o in source.cells[i].get("outputs", []) if _IMAGE in o.get("data", {})]
         if len(images) != len(shas):
