@@ -16,9 +16,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names load
     from fsdp_course.engines.ddp import DDP
     from fsdp_course.engines.zero import ZeRO1, ZeRO2
     from fsdp_course.fsdp.api import FSDP, ShardedState, TrainingState
-    from fsdp_course.fsdp.flat_param import FlatParamLayout, OffloadPolicy, shard_parameters
+    from fsdp_course.fsdp.flat_param import FlatParamLayout, shard_parameters
     from fsdp_course.fsdp.grad_scaler import ShardedGradScaler
-    from fsdp_course.fsdp.policy import MixedPrecision
+    from fsdp_course.fsdp.policy import MixedPrecision, OffloadPolicy
     from fsdp_course.lora import LoRALinear, add_lora, merge_lora, remove_lora
     from fsdp_course.memory import DeviceOutOfMemory, measure, zero_formula
     from fsdp_course.runtime.context import RankContext
@@ -36,7 +36,7 @@ _WHERE = {  # public name -> the module that defines it: imported on first use, 
     "ShardedState": "fsdp_course.fsdp.api",
     "TrainingState": "fsdp_course.fsdp.api",
     "FlatParamLayout": "fsdp_course.fsdp.flat_param",
-    "OffloadPolicy": "fsdp_course.fsdp.flat_param",
+    "OffloadPolicy": "fsdp_course.fsdp.policy",
     "shard_parameters": "fsdp_course.fsdp.flat_param",
     "ShardedGradScaler": "fsdp_course.fsdp.grad_scaler",
     "MixedPrecision": "fsdp_course.fsdp.policy",

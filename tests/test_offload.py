@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from fsdp_course.fsdp.api import FSDP
-from fsdp_course.fsdp.flat_param import OffloadPolicy
+from fsdp_course.fsdp.policy import OffloadPolicy
 from fsdp_course.memory import (
     HOST,
     DeviceOutOfMemory,

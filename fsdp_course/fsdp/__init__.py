@@ -5,7 +5,7 @@
   flat_param.py   the flat parameter: layout, shard, unsharded   _fsdp_param.py (FSDPParam, per parameter);
                   buffer and its views                           FSDP1's _flat_param.py (FlatParamHandle)
   common.py       TrainingState, ShardedState, placeholders      _fsdp_common.py
-  policy.py       MixedPrecision                                 _fsdp_api.py (MixedPrecisionPolicy)
+  policy.py       MixedPrecision, OffloadPolicy                  _fsdp_api.py (MixedPrecisionPolicy, CPUOffloadPolicy)
   grad_scaler.py  fp16 loss scaling, global found-inf check      torch/distributed/fsdp/sharded_grad_scaler.py
   per_param.py    FSDP2's layout: per-parameter dim-0 shards     _fsdp_param.py, _fsdp_collectives.py
   state_dict.py   full and sharded checkpoints                   FSDP2: DTensor state dicts (DCP reads them)

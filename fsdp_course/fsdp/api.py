@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -46,9 +47,9 @@ from torch import nn
 
 from fsdp_course.fsdp import state_dict as fsdp_state_dict
 from fsdp_course.fsdp.common import ShardedState, TrainingState, sharded_away
-from fsdp_course.fsdp.flat_param import CopyCounter, FlatParamHandle, FlatParamLayout, OffloadPolicy, check_same_dtype
-from fsdp_course.fsdp.param_group import CommContext, FSDPUnit, Span
-from fsdp_course.fsdp.policy import MixedPrecision, cast_floating
+from fsdp_course.fsdp.flat_param import CopyCounter, FlatParamHandle, FlatParamLayout, check_same_dtype
+from fsdp_course.fsdp.param_group import CommContext, FSDPUnit, Observer, Span
+from fsdp_course.fsdp.policy import MixedPrecision, OffloadPolicy, cast_floating
 from fsdp_course.holders import holds
 from fsdp_course.hooks import queue_after_backward, register_grad_hooks
 from fsdp_course.memory import HOST, record_event
@@ -98,7 +99,7 @@ class FSDP(nn.Module):
     replicate group; the clipping norm is summed over the shard group only (replicas hold equal shards). Each of
     the N ranks still trains on its own slice of the global batch.
 
-    `offload_policy=OffloadPolicy()` (flat_param.py, torch's `CPUOffloadPolicy`): the shards, their gradients and
+    `offload_policy=OffloadPolicy()` (policy.py, torch's `CPUOffloadPolicy`): the shards, their gradients and
     the optimizer state (built on `parameters()`) live on the host; each all-gather's input is the shard copied to
     the device, each reduce-scattered gradient chunk is copied back; `fsdp.copies` counts them (a `CopyCounter`) and
     `fsdp.memory_pools` tells the memory tracker which categories are host memory.
@@ -133,17 +134,17 @@ class FSDP(nn.Module):
         self.ctx = ctx
         self.timeline: list[tuple[str, dict[str, int]]] = []
         self.memory_recorder = None
+        self.observer = Recorder(self)  # what the units report: memory points and compute spans (`trace`)
         self.mp_policy = mp_policy or MixedPrecision()
         self.prefetch = prefetch
         if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
-            raise TypeError("offload_policy must be a fsdp_course OffloadPolicy() (fsdp/flat_param.py), got "
+            raise TypeError("offload_policy must be a fsdp_course OffloadPolicy() (fsdp/policy.py), got "
                             f"{type(offload_policy).__name__}")
         self.offload_policy = offload_policy
         self.copies = CopyCounter()  # host <-> device copies (offload only)
         self.memory_pools = dict.fromkeys(("sharded_params", "sharded_grads", "optimizer"), HOST) \
             if offload_policy is not None else {}
         self.comm = CommContext(reduce_in_flight=1 if prefetch else 0)
-        self.trace: list[Span] = []  # the last step's compute spans, per unit and pass
         self._forward_order: list[FSDPUnit] = []  # this step's units, in the order their forward began
         self._last_forward_order: list[FSDPUnit] = []
         self._post_forward_order: list[FSDPUnit] = []  # this step's units, in the order their forward ended
@@ -157,11 +158,12 @@ class FSDP(nn.Module):
         with torch.no_grad():
             for unit_module, unit_name, uses in _group_by_unit(_find_parameters(module, wrap_types), module):
                 handles = self._build_handles(unit_name, uses)
-                self.units.append(FSDPUnit(unit_name, unit_module, handles, ctx,
-                                           replicate=mesh.replicate if mesh is not None else None,
-                                           reshard_after_forward=reshard_after_forward,
-                                           on_event=lambda what: record_event(self, what),
-                                           mp_policy=self.mp_policy, comm=self.comm, on_span=self.trace.append))
+                is_root = unit_module is module
+                self.units.append(FSDPUnit(
+                    unit_name, unit_module, handles, ctx, replicate=mesh.replicate if mesh is not None else None,
+                    reshard_after_forward=reshard_root_after_forward if is_root else reshard_after_forward,
+                    mp_policy=self.mp_policy, comm=self.comm, observer=self.observer,
+                    records_spans=not is_root))  # the root's forward and backward enclose every other unit's
             _warn_unused_wrap(module, wrap_types, self.units)
             if template is not None:
                 self._fill_from_pieces(init(template))  # type: ignore[misc]  (init checked above)
@@ -170,9 +172,6 @@ class FSDP(nn.Module):
                     self.world_ctx.broadcast(buf.data)
         self.flat_params = nn.ParameterList([h.shard for h in self.handles])
         self.root_unit = next((u for u in self.units if u.module is module), None)
-        if self.root_unit is not None:
-            self.root_unit.reshard_after_forward = reshard_root_after_forward
-            self.root_unit._on_span = None  # its forward and backward enclose every other unit's: no span of its own
         self._trip_stale_optimizers()
         for unit in self.units:
             if unit is not self.root_unit:
@@ -243,10 +242,10 @@ class FSDP(nn.Module):
         if self._forward_order:  # a new step: the order the last one used the units guides forward prefetch
             self._last_forward_order, self._forward_order, self._post_forward_order = self._forward_order, [], []
             self.trace.clear()
-        if self.mp_policy.cast_forward_inputs:
-            args, kwargs = cast_floating(self.mp_policy.param_dtype, (args, kwargs))
         if self.root_unit is not None:
             args, kwargs = self._pre_forward(self.root_unit, args, kwargs)
+        else:  # no root unit, no pre-forward: cast the inputs here, as it would
+            args, kwargs = self._cast_inputs(args, kwargs)
         out = self.module(*args, **kwargs)
         if self.root_unit is not None:
             out = self._post_forward(self.root_unit, out)
@@ -255,24 +254,28 @@ class FSDP(nn.Module):
         return out
 
     def _pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        recomputing = unit.recomputing
+        if unit.recomputing:  # activation checkpointing, inside the unit's backward (param_group.py): only gather
+            unit.unshard()  # a no-op, unless a post_backward has already freed a flat parameter
+            unit.use_unsharded_views()
+            return self._cast_inputs(args, kwargs)
         unit.pre_forward()
-        if not recomputing:
-            if unit not in self._forward_order:
-                self._forward_order.append(unit)
-            self._prefetch_after(unit, self._last_forward_order, "forward")
-        if self.mp_policy.cast_forward_inputs:
-            args, kwargs = cast_floating(self.mp_policy.param_dtype, (args, kwargs))
+        if unit not in self._forward_order:
+            self._forward_order.append(unit)
+        self._prefetch_after(unit, self._last_forward_order, "forward")
+        args, kwargs = self._cast_inputs(args, kwargs)
         args, kwargs = unit.register_post_backward(args, kwargs)
-        if not recomputing:
-            unit.compute_begins()
+        unit.compute_begins()
         return args, kwargs
 
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not self.mp_policy.cast_forward_inputs:
+            return args, kwargs
+        return cast_floating(self.mp_policy.param_dtype, (args, kwargs))
+
     def _post_forward(self, unit: FSDPUnit, out: Any) -> Any:
-        recomputing = unit.recomputing
-        unit.post_forward()
-        if recomputing:
+        if unit.recomputing:  # the unit's post_backward reshards it, not this hook
             return out
+        unit.post_forward()
         if unit not in self._post_forward_order:
             self._post_forward_order.append(unit)
         out = cast_floating(self.mp_policy.output_dtype, out)
@@ -306,7 +309,7 @@ class FSDP(nn.Module):
         self.comm.wait_reduces()
         self._callback_queued = False
         self._trip_stale_optimizers()  # again: the stale optimizer's zero_grad() may have cleared them
-        record_event(self, "backward done")
+        self.observer.event("backward done")
 
     def _forget_failed_backward(self) -> None:
         """A backward raised before its final callback: free what it gathered, drop partial unsharded gradients
@@ -322,6 +325,11 @@ class FSDP(nn.Module):
         with torch._C.DisableTorchFunctionSubclass():
             for p in self._originals:
                 p.grad = sharded_away((0,), p.dtype, STALE_OPTIMIZER, device=p.device)
+
+    @property
+    def trace(self) -> list[Span]:
+        """The last step's compute spans, per unit and pass (none for the root unit); the next step clears it."""
+        return self.observer.trace
 
     @property
     def handles(self) -> list[FlatParamHandle]:
@@ -407,6 +415,27 @@ class FSDP(nn.Module):
 
     def load_sharded(self, directory: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         fsdp_state_dict.load_sharded(self, directory, optimizer)
+
+
+class Recorder(Observer):
+    """What FSDP records as its units run: each memory point through `memory.record_event(fsdp, label)` (kept in
+    `fsdp.timeline` once `memory.attach(fsdp)` is called), each compute span in `trace`."""
+
+    def __init__(self, fsdp: FSDP) -> None:
+        self.fsdp = fsdp
+        self.trace: list[Span] = []
+        self._starts: dict[FSDPUnit, float] = {}  # time.perf_counter() when each unit's compute began
+
+    def event(self, label: str) -> None:
+        record_event(self.fsdp, label)
+
+    def compute_begins(self, unit: FSDPUnit) -> None:
+        self._starts[unit] = time.perf_counter()
+
+    def compute_ends(self, unit: FSDPUnit, phase: str) -> None:
+        start = self._starts.pop(unit, None)
+        if start is not None:  # the first end after a beginning: a unit's backward ends at each flat parameter
+            self.trace.append(Span(unit.label, phase, start, time.perf_counter()))
 
 
 def _check_mesh(mesh: Any, ctx: Any) -> Any:

@@ -12,8 +12,8 @@ Three pieces: `FlatParamLayout` (where each parameter lives: flatten, pad, shard
 it issues no collective, the unit does) and `FlatGrads` (DDP's and ZeRO-1's flat gradient buffer, `p.grad` its
 views). The words are in the glossary of fsdp_course/fsdp/__init__.py.
 
-CPU offload (`OffloadPolicy`, torch's `CPUOffloadPolicy`: torch/distributed/fsdp/_fully_shard/_fsdp_api.py and
-_fsdp_param.py): the shard, its gradient and the optimizer state live in host memory. `all_gather_input()` copies
+CPU offload (`OffloadPolicy`, policy.py; torch's `CPUOffloadPolicy`: torch/distributed/fsdp/_fully_shard/_fsdp_api.py
+and _fsdp_param.py): the shard, its gradient and the optimizer state live in host memory. `all_gather_input()` copies
 the host shard into a fresh device tensor before the all-gather (torch: `sharded_param_data.to(device)` in
 `FSDPParam.all_gather_inputs`), and `grad_to_host()` copies the reduce-scattered gradient chunk into a fresh host
 tensor (torch: `new_sharded_grad.to(cpu)` in `foreach_reduce`); the optimizer then steps on the host. On a CPU-only
@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from fsdp_course.fsdp.common import sharded_away
+from fsdp_course.fsdp.policy import OffloadPolicy  # noqa: F401  (lives in policy.py; re-imported for old imports)
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -211,16 +212,6 @@ def shard_parameters(
     layout, flat = flatten_params(named_params, world_size)
     local = layout.shard(flat, rank).clone()  # (padded_numel // world_size,) local shard
     return layout, local
-
-
-@dataclass(frozen=True)
-class OffloadPolicy:
-    """FSDP's CPU offload (the name mirrors torch's `CPUOffloadPolicy`): `FSDP(..., offload_policy=OffloadPolicy())`.
-
-    Sharded parameters, their gradients and the optimizer state live on the host; each all-gather's input is the
-    host shard copied to the device, each reduce-scattered gradient chunk is copied back to the host, and the
-    optimizer steps there. torch's `pin_memory` (page-locked host memory for asynchronous copies) has no field
-    here: pinning needs an accelerator, and these copies are synchronous."""
 
 
 @dataclass

@@ -20,18 +20,18 @@ calls these methods:
   finalize_backward  at the end of the whole backward: reduce what was not reduced (a unit unused on
                      this rank), reshard everything, back to IDLE
 
-Activation checkpointing: a forward recomputed during backward runs pre_forward / post_forward while the
-unit is in PRE_BACKWARD. pre_forward then only makes sure the unit is gathered, and post_forward returns at
-once, as FSDP2's `FSDPState._pre_forward` / `_post_forward` do (_fsdp_state.py: "the pre-backward hook is
-responsible for the unshard", "the post-backward hook is responsible for the reshard"): the recomputation uses
-the gather pre_backward made, and nothing is resharded in the middle of the unit's backward. A checkpoint that spans
-several units recomputes the earlier ones before their own backward: they are gathered again then, and stay gathered
-until their backward (FSDP2's `post_forward` does not reshard during backward): memory, not another all-gather.
+Activation checkpointing: a forward recomputed during backward runs FSDP's forward hooks while the unit is in
+PRE_BACKWARD (`recomputing`). The hooks (api.py) decide it, as FSDP2's `FSDPState._pre_forward` / `_post_forward`
+do (_fsdp_state.py: "the pre-backward hook is responsible for the unshard", "the post-backward hook is responsible
+for the reshard"): instead of pre_forward they only make sure the unit is gathered, and they skip post_forward; the
+recomputation uses the gather pre_backward made, and nothing is resharded in the middle of the unit's backward. A
+checkpoint that spans several units recomputes the earlier ones before their own backward: they are gathered again
+then, and stay gathered until their backward (FSDP2's `post_forward` does not reshard during backward): memory, not
+another all-gather.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +46,7 @@ from fsdp_course.fsdp.flat_param import FlatParamHandle
 from fsdp_course.fsdp.policy import MixedPrecision
 from fsdp_course.hooks import weak_method
 
-__all__ = ["CommContext", "FSDPUnit", "Span"]
+__all__ = ["CommContext", "FSDPUnit", "Observer", "Span"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,20 @@ class Span:
     phase: str  # "forward" | "backward"
     start: float
     end: float
+
+
+class Observer:
+    """What a unit reports as it runs, for measurement only: the algorithm never reads it back. These methods do
+    nothing; FSDP records through its own observer (api.py: `fsdp.timeline` and `fsdp.trace`)."""
+
+    def event(self, label: str) -> None:
+        """A point on the memory timeline, e.g. "pre_backward: unshard layers.0"."""
+
+    def compute_begins(self, unit: FSDPUnit) -> None:
+        """`unit`'s pre-forward (pre-backward) hook is done, prefetches issued: its compute starts now."""
+
+    def compute_ends(self, unit: FSDPUnit, phase: str) -> None:
+        """`unit`'s compute in `phase` ("forward" | "backward") ends now: a `Span` since `compute_begins`, if any."""
 
 
 def in_backward() -> bool:
@@ -94,13 +108,14 @@ class CommContext:
 class FSDPUnit:
     """One unit's state machine over its flat parameters (`handles`: the trainable one, then a frozen one).
 
-    `ctx` issues the collectives; `on_event(label)` receives the points of the memory timeline.
+    `ctx` issues the collectives; `observer` receives the points of the memory timeline and the compute spans
+    (`records_spans=False`: none of this unit's own, e.g. FSDP's root unit, whose passes enclose every other unit's).
     """
 
     def __init__(self, name: str, module: nn.Module, handles: list[FlatParamHandle], ctx: Any, *,
-                 reshard_after_forward: bool = True, on_event: Callable[[str], None] | None = None,
-                 mp_policy: MixedPrecision | None = None, comm: CommContext | None = None,
-                 on_span: Callable[[Span], None] | None = None, replicate: Any = None) -> None:
+                 reshard_after_forward: bool = True, mp_policy: MixedPrecision | None = None,
+                 comm: CommContext | None = None, replicate: Any = None, observer: Observer | None = None,
+                 records_spans: bool = True) -> None:
         self.name = name  # module path, "" for the root
         self.label = name or "root"
         self.module = module
@@ -111,12 +126,11 @@ class FSDPUnit:
         self.reduce_grads = True  # False: keep unsharded gradients (set_requires_gradient_sync(False))
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
-        self._on_event = on_event
-        self._on_span = on_span
+        self.observer = observer or Observer()
+        self.records_spans = records_spans
         self.mp_policy = mp_policy or MixedPrecision()
         self.comm = comm or CommContext()
         self._pending: list[Any] = []  # all-gathers issued with async_op=True (a prefetch), not waited for yet
-        self._compute_start: float | None = None
         self._reduced: set[int] = set()  # indices of the handles reduced in this backward
         post_backward = weak_method(self.post_backward)  # the hook must not keep this unit (and its group) alive
         for i, h in enumerate(handles):
@@ -163,38 +177,34 @@ class FSDPUnit:
             self.sharded_state = ShardedState.SHARDED
         self._event("reshard")
 
+    def use_unsharded_views(self) -> None:
+        """Point the module at fresh views of the unsharded buffers (their grad_fn leads to `h.unsharded`'s .grad)."""
+        for h in self.handles:
+            h.use_unsharded_views()
+
     def _event(self, what: str, phase: str | None = None) -> None:
         """A point on the memory timeline, e.g. "pre_backward: unshard layers.0"."""
-        if self._on_event is not None:
-            self._on_event(f"{phase or self.training_state.name.lower()}: {what} {self.label}")
+        self.observer.event(f"{phase or self.training_state.name.lower()}: {what} {self.label}")
 
     def compute_begins(self) -> None:
         """The pre-forward (pre-backward) hook is done, prefetches issued: the unit's compute starts now."""
-        self._compute_start = time.perf_counter()
-
-    def _span(self, phase: str) -> None:
-        """The unit's compute in `phase` ends now (it started when its pre-hook returned)."""
-        if self._compute_start is not None and self._on_span is not None:
-            self._on_span(Span(self.label, phase, self._compute_start, time.perf_counter()))
-        self._compute_start = None
+        if self.records_spans:
+            self.observer.compute_begins(self)
 
     # -- forward --------------------------------------------------------------------------------
     @property
     def recomputing(self) -> bool:
-        """A forward now is a recomputation during this unit's backward (activation checkpointing)."""
+        """A forward now is a recomputation during this unit's backward (activation checkpointing): FSDP's hooks then
+        skip pre_forward / post_forward (api.py)."""
         return self.training_state is TrainingState.PRE_BACKWARD
 
     def pre_forward(self) -> None:
-        if not self.recomputing:
-            self.training_state = TrainingState.FORWARD
-        self.unshard()  # when recomputing: a no-op, unless a post_backward has already freed a flat parameter
-        for h in self.handles:  # fresh views each forward: their grad_fn leads to h.unsharded's .grad
-            h.use_unsharded_views()
+        self.training_state = TrainingState.FORWARD
+        self.unshard()
+        self.use_unsharded_views()  # fresh views each forward
 
     def post_forward(self) -> None:
-        if self.recomputing:
-            return
-        self._span("forward")
+        self.observer.compute_ends(self, "forward")
         if in_backward():
             # a forward recomputed during backward by a checkpoint that spans this unit, before this unit's own
             # backward: stay gathered until that backward (FSDP2's post_forward: `if not is_bw(): reshard()`), which
@@ -209,7 +219,7 @@ class FSDPUnit:
 
     def register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Route the unit's inputs that require grad through `RegisterPostBackward` (FSDP2 does the same)."""
-        if self.recomputing or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return args, kwargs
         leaves, spec = tree_flatten((args, kwargs))
         where = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -232,7 +242,7 @@ class FSDPUnit:
     def post_backward(self, index: int) -> None:
         """Flat parameter `index` has its whole gradient in `.unsharded.grad`: reduce-scatter it, then free it."""
         h = self.handles[index]
-        self._span("backward")
+        self.observer.compute_ends(self, "backward")
         self.training_state = TrainingState.POST_BACKWARD
         self._event("grads ready")
         if self.reduce_grads:
@@ -252,7 +262,7 @@ class FSDPUnit:
 
     def _inputs_grad_ready(self) -> None:
         """The unit's backward is over: the frozen flat parameter (no gradient hook of its own) is freed too."""
-        self._span("backward")
+        self.observer.compute_ends(self, "backward")
         frozen = [h for h in self.handles if not h.requires_grad and h.is_unsharded]
         if frozen:
             self.reshard(frozen)

@@ -1,9 +1,10 @@
-"""What FSDP is told about precision: `MixedPrecision`, the course's `MixedPrecisionPolicy`.
+"""What FSDP is told about precision and placement: `MixedPrecision` and `OffloadPolicy`, the course's
+`MixedPrecisionPolicy` and `CPUOffloadPolicy`.
 
 Mirrors torch/distributed/fsdp/_fully_shard/_fsdp_api.py (`MixedPrecisionPolicy`, the same four fields with the
-same meaning) and `_cast_fp_tensor` of _fsdp_common.py. Mixed precision as in Micikevicius et al., "Mixed Precision
-Training" (arXiv:1710.03740): fp32 master weights, half-precision compute, fp32 (or scaled) gradients; ZeRO
-(arXiv:1910.02054, section 3) counts its memory as 2 + 2 + 12 bytes per parameter.
+same meaning; `CPUOffloadPolicy`) and `_cast_fp_tensor` of _fsdp_common.py. Mixed precision as in Micikevicius et
+al., "Mixed Precision Training" (arXiv:1710.03740): fp32 master weights, half-precision compute, fp32 (or scaled)
+gradients; ZeRO (arXiv:1910.02054, section 3) counts its memory as 2 + 2 + 12 bytes per parameter.
 
 With `FSDP(..., mp_policy=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))`:
   - the shard (what the optimizer steps) stays in the model's dtype, fp32: it is the master copy, so the
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-__all__ = ["MixedPrecision", "cast_floating"]
+__all__ = ["MixedPrecision", "OffloadPolicy", "cast_floating"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -56,6 +57,16 @@ class MixedPrecision:
     def grad_reduce_dtype(self, shard_dtype: torch.dtype) -> torch.dtype:
         """The dtype the gradient is reduced in (as FSDP2: reduce_dtype, else param_dtype, else the shard's)."""
         return self.reduce_dtype or self.param_dtype or shard_dtype
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """FSDP's CPU offload (the name mirrors torch's `CPUOffloadPolicy`): `FSDP(..., offload_policy=OffloadPolicy())`.
+
+    Sharded parameters, their gradients and the optimizer state live on the host; each all-gather's input is the
+    host shard copied to the device, each reduce-scattered gradient chunk is copied back to the host, and the
+    optimizer steps there (the copies: flat_param.py). torch's `pin_memory` (page-locked host memory for
+    asynchronous copies) has no field here: pinning needs an accelerator, and these copies are synchronous."""
 
 
 def cast_floating(dtype: torch.dtype | None, tree: Any) -> Any:
