@@ -84,6 +84,18 @@ def test_no_checker_gives_a_failure_a_bare_string(path: Path) -> None:
                     f"{path.name}:{node.lineno}: a problem or hint is a Message of the module's catalogue"
 
 
+@pytest.mark.parametrize("path", sorted(CHECKS.glob("*.py")), ids=lambda p: p.name)
+def test_no_checker_prints_but_through_say(path: Path) -> None:
+    """What passed is said in the learner's language by `_common.say`, one catalogued message per line: a `print` in a
+    checker would speak English to a Chinese learner. Only `_common` prints (`say` itself, and a failure's report)."""
+    if path.name == "_common.py":
+        return
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    prints = [node.lineno for node in ast.walk(tree)
+              if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"]
+    assert not prints, f"{path.name}: print at lines {prints}: say(T(...)) instead, with the message catalogued"
+
+
 def test_every_checker_module_has_its_messages_and_each_renders_in_both_languages() -> None:
     used = {module for path in CHECKS.glob("*.py") for _, module, _, _ in _calls(path)}
     assert {"common", "collectives", "hsdp", "budget", "dcp", "lora"} <= used

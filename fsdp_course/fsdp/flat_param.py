@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 from fsdp_course.fsdp.common import sharded_away
-from fsdp_course.fsdp.policy import OffloadPolicy  # noqa: F401  (lives in policy.py; re-imported for old imports)
 
 
 def padded_numel(numel: int, world_size: int) -> int:

@@ -44,7 +44,7 @@ from fsdp_course.runtime.simulate import RankError, run_ranks
 
 __all__ = ["CHECK_TIMEOUT", "CheckFailed", "CheckFailure", "Message", "T", "call_learner", "compare_tensor",
            "exception_hint", "format_tensor", "headed_output", "in_ipython", "learner_frames", "not_implemented",
-           "padded_flat_grads", "render_for_ipython", "require_callable", "require_world_sizes", "run_checked"]
+           "padded_flat_grads", "render_for_ipython", "require_callable", "require_world_sizes", "run_checked", "say"]
 
 LIBRARY_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # .../fsdp_course/
 _NOT_LEARNER = tuple({LIBRARY_DIR, *(os.path.abspath(sysconfig.get_paths()[k]) + os.sep
@@ -105,6 +105,9 @@ T = catalogue("common", {
                 "在集合通信之前用 tensor.reshape(-1) 展平张量"),
     "read_traceback": ("read the end of the traceback above: the last line of your code in it is where it went wrong",
                        "看上面 traceback 的末尾：其中属于你代码的最后一行，就是出错的地方"),
+    # what passed (`say`): the first line of every checker's success, then its own lines
+    "passed": ("All tests in {check} passed ({what})", "{check} 的全部测试都通过了（{what}）"),
+    "world_sizes": ("world sizes {sizes}", "world size 为 {sizes}"),
 })
 
 
@@ -160,6 +163,14 @@ class CheckFailed(AssertionError):
     def _render_traceback_(self) -> list[str]:
         """IPython's hook: the lines it shows for this exception instead of its own traceback."""
         return render_for_ipython(self, self.failure.report())
+
+
+def say(*lines: Message) -> None:
+    """Print what passed, one catalogued message per line, in the course's language only (a failure's report shows
+    both: its English is what one searches for)."""
+    lang = language()
+    for line in lines:
+        print(line.render(lang))
 
 
 def in_ipython() -> bool:

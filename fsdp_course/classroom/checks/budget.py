@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_course.classroom.checks._common import CHECK_TIMEOUT, CheckFailure, call_learner, require_callable
+from fsdp_course.classroom.checks._common import CHECK_TIMEOUT, CheckFailure, call_learner, require_callable, say
+from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.memory import (
     DEVICE,
@@ -202,6 +203,39 @@ T = catalogue("budget", {
                  "只有一个 rank 时不与任何人通信：没有集合通信，0 秒"),
     "per_unit": ("per unit: 2 all-gathers + 1 reduce-scatter, each (N - 1) alpha + (N - 1)/N x (4 psi / units) x beta",
                  "每个单元：2 次全聚合 + 1 次归约分散，每次 (N - 1) alpha + (N - 1)/N x (4 psi / units) x beta"),
+    # -- what passed --
+    "against_run": ("world sizes {sizes} against {formula}; {real} for real with the budget on",
+                    "world size 为 {sizes} 时与 {formula} 对照；为 {real} 时开启预算实际运行"),
+    "against_ledger": ("world sizes {sizes} against {formula}; {real} against the ledger of a real step",
+                       "world size 为 {sizes} 时与 {formula} 对照；为 {real} 时与一次真实步骤的通信账本对照"),
+    "the_run": ("the run: {model} ({psi:,} parameters), ZeRO-3 on 2 ranks{offload}",
+                "实际运行：{model}（{psi:,} 个参数），2 个 rank 上的 ZeRO-3{offload}"),
+    "with_offload": (" with offload", "，开启卸载"),
+    "peak": ("  {run}: predicted {predicted:,.0f} B + activations, measured peak {peak:,} B at '{label}'",
+             "  {run}：预测 {predicted:,.0f} B + 激活值，实测峰值 {peak:,} B，出现在 '{label}'"),
+    # the measured peak term by term, each term after the ones `before` it
+    "term_formula": ("    = {device:,.0f} (the formula)", "    = {device:,.0f}（公式）"),
+    "term_own_grad": ("{before} - {grads:,.0f} ({name}'s own sharded gradient, 4 x {unit:,} / {n}: the formula counts "
+                      "it, but the reduce-scatter that makes it comes next)",
+                      "{before} - {grads:,.0f}（{name} 自己的分片梯度，4 x {unit:,} / {n}：公式把它算在内，"
+                      "但产生它的归约分散紧随其后）"),
+    "term_not_made": ("{before} - {grads:,.0f} (sharded gradients not made yet)",
+                      "{before} - {grads:,.0f}（尚未产生的分片梯度）"),
+    "term_steps": ("{before} + {steps:,.0f} (Adam's step counts)", "{before} + {steps:,.0f}（Adam 的 step 计数）"),
+    "term_activations": ("{before} + {activations:,} (activations)", "{before} + {activations:,}（激活值）"),
+    "term_other": ("{before} {sign} {other:,.0f} (other)", "{before} {sign} {other:,.0f}（其他）"),
+    "run_budget": ("  the run, budget {capacity:,} B per rank: ZeRO-3: {plain}; ZeRO-3 + offload: {offloaded}",
+                   "  实际运行，每个 rank 的预算为 {capacity:,} B：ZeRO-3：{plain}；ZeRO-3 + 卸载：{offloaded}"),
+    "fits": ("N = {n} fits{below}", "N = {n} 时放得下{below}"),
+    "runs_out": (", N = {n} runs out ({category})", "，N = {n} 时内存不足（{category}）"),
+    "bytes_rows": ("  ZeRO-3 of the run model, bytes sent per rank and step: {rows}",
+                   "  实际运行的模型上的 ZeRO-3，每个 rank 每步发送的字节数：{rows}"),
+    "comm_rows": ("  ZeRO-3 of the run model, one step per rank: {rows}",
+                  "  实际运行的模型上的 ZeRO-3，每个 rank 一步之内：{rows}"),
+    "comm_row": ("N = {n}: {collectives} collectives, {ring_steps} ring steps, {sent:,.0f} B",
+                 "N = {n}：{collectives} 次集合通信，共 {ring_steps} 步环形通信，{sent:,.0f} B"),
+    "comm_row_after": ("{before}; N = {n}: {collectives} collectives, {ring_steps} ring steps, {sent:,.0f} B",
+                       "{before}；N = {n}：{collectives} 次集合通信，共 {ring_steps} 步环形通信，{sent:,.0f} B"),
 })
 
 
@@ -265,7 +299,7 @@ def run_with_budget(world_size: int, offload: bool, capacity: int, steps: int = 
     "ring_steps", "error"}: the peak's snapshot is the bytes by category on the device at the recorded point where
     the device held the most."""
     from fsdp_course.fsdp.api import FSDP
-    from fsdp_course.fsdp.flat_param import OffloadPolicy
+    from fsdp_course.fsdp.policy import OffloadPolicy
     from fsdp_course.models import MLP
 
     torch.manual_seed(0)
@@ -324,21 +358,19 @@ def check_device_peak(fn: Callable[[int, int, int, bool, int], float]) -> None:
         predicted = float(fn(psi, 2, 3, offload, unit))
         capacity = int(predicted) + RUN_ACTIVATIONS
         ran = run_with_budget(2, offload, capacity)
-        where = f"the run: MLP{list(RUN_SIZES)} ({psi:,} parameters), ZeRO-3 on 2 ranks" + (
-            " with offload" if offload else "")
+        the_run = T("the_run", model=f"MLP{list(RUN_SIZES)}", psi=psi, offload=T("with_offload") if offload else "")
         if not ran[0]["fits"]:
-            CheckFailure(check, where, T("ran_out_budget", activations=RUN_ACTIVATIONS), T("prediction_low"),
+            CheckFailure(check, str(the_run), T("ran_out_budget", activations=RUN_ACTIVATIONS), T("prediction_low"),
                          [ran[0]["error"]]).fail()
-        rows.append((where, offload, predicted, ran[0]))
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, WORLD_SIZES))} against budget_formula; "
-          "2 for real with the budget on)")
-    for where, offload, predicted, ran0 in rows:
-        print(f"  {where}: predicted {predicted:,.0f} B + activations, measured peak {ran0['peak_device']:,} B "
-              f"at '{ran0['peak_label']}'")
-        print(f"    {_peak_terms(psi, unit, 2, offload, ran0)}")
+        rows.append((the_run, offload, predicted, ran[0]))
+    say(COMMON("passed", check=check, what=T("against_run", sizes=", ".join(map(str, WORLD_SIZES)),
+                                              formula="budget_formula", real=2)))
+    for the_run, offload, predicted, ran0 in rows:
+        say(T("peak", run=the_run, predicted=predicted, peak=ran0["peak_device"], label=ran0["peak_label"]),
+            _peak_terms(psi, unit, 2, offload, ran0))
 
 
-def _peak_terms(psi: int, unit: int, n: int, offload: bool, ran: dict[str, Any]) -> str:
+def _peak_terms(psi: int, unit: int, n: int, offload: bool, ran: dict[str, Any]) -> Message:
     """The measured peak as the formula's device bytes plus or minus what differs at that moment, each term read off
     the snapshot at the peak: the activations, Adam's step counts (a scalar tensor per flat parameter, which the
     formula's 8 bytes per parameter leave out), and the sharded gradient of the unit whose full gradient just became
@@ -350,18 +382,17 @@ def _peak_terms(psi: int, unit: int, n: int, offload: bool, ran: dict[str, Any])
     steps = snap.get("optimizer", 0) - (0 if offload else formula["optimizer"])
     grads = snap.get("sharded_grads", 0) - (0 if offload else formula["grads"])
     other = ran["peak_device"] - formula["device"] - activations - steps - grads
-    terms = [f"{formula['device']:,.0f} (the formula)"]
+    terms = T("term_formula", device=formula["device"])
     if grads < 0:
         name = ran["peak_label"].split()[-1]
-        terms.append(f"- {-grads:,.0f} ({name}'s own sharded gradient, 4 x {unit:,} / {n}: the formula counts it, but "
-                     "the reduce-scatter that makes it comes next)" if _close(-grads, 4 * unit / n) else
-                     f"- {-grads:,.0f} (sharded gradients not made yet)")
+        terms = (T("term_own_grad", before=terms, grads=-grads, name=name, unit=unit, n=n)
+                 if _close(-grads, 4 * unit / n) else T("term_not_made", before=terms, grads=-grads))
     if steps:
-        terms.append(f"+ {steps:,.0f} (Adam's step counts)")
-    terms.append(f"+ {activations:,} (activations)")
+        terms = T("term_steps", before=terms, steps=steps)
+    terms = T("term_activations", before=terms, activations=activations)
     if other:
-        terms.append(f"{'+' if other > 0 else '-'} {abs(other):,.0f} (other)")
-    return f"= {' '.join(terms)}"
+        terms = T("term_other", before=terms, sign="+" if other > 0 else "-", other=abs(other))
+    return terms
 
 
 # -- smallest_world_size ---------------------------------------------------------------------------------------------
@@ -448,7 +479,8 @@ def check_smallest_world_size(fn: Callable[[int, int, float, int, bool], int | N
                          _device_peak_blame(fn, psi, unit, stage, offload)
                          or _smallest_hint(got, psi, unit, capacity, stage, offload)).fail()
     psi, unit = _run_psi()
-    confirmed, sizes = [], set()
+    confirmed: dict[bool, Message] = {}
+    sizes: set[int] = set()
     for offload in (False, True):
         n = fn(psi, unit, RUN_CAPACITY - RUN_ACTIVATIONS, 3, offload)
         where = f"the run: MLP{list(RUN_SIZES)}, ZeRO-3{' with offload' if offload else ''}, {RUN_CAPACITY:,} B"
@@ -459,11 +491,11 @@ def check_smallest_world_size(fn: Callable[[int, int, float, int, bool], int | N
         if below is not None and below[0]["fits"]:
             CheckFailure(check, where, T("fits_too", n=n - 1), T("not_smallest")).fail()
         sizes |= {int(n), int(n) - 1} - {0}
-        confirmed.append(f"ZeRO-3{' + offload' if offload else ''}: N = {n} fits"
-                         + (f", N = {n - 1} runs out ({below[0]['category']})" if below is not None else ""))
-    print(f"All tests in {check} passed (world sizes 1-{MAX_WORLD_SIZE} against budget_formula; "
-          f"{', '.join(map(str, sorted(sizes)))} for real with the budget on)")
-    print(f"  the run, budget {RUN_CAPACITY:,} B per rank: " + "; ".join(confirmed))
+        confirmed[offload] = T("fits", n=n, below=T("runs_out", n=n - 1, category=below[0]["category"])
+                               if below is not None else "")
+    say(COMMON("passed", check=check, what=T("against_run", sizes=f"1-{MAX_WORLD_SIZE}", formula="budget_formula",
+                                              real=", ".join(map(str, sorted(sizes))))),
+        T("run_budget", capacity=RUN_CAPACITY, plain=confirmed[False], offloaded=confirmed[True]))
 
 
 # -- bytes_sent ------------------------------------------------------------------------------------------------------
@@ -493,10 +525,10 @@ def check_bytes_sent(fn: Callable[[int, int, int], float]) -> None:
         if not _close(got, sent):
             CheckFailure(check, f"the run: ZeRO-3 on {n} ranks, {padded:,} padded parameters",
                          T("ledger_bytes", got=got, sent=sent), T("see_formula")).fail()
-        rows.append(f"N = {n}: {sent:,.0f} B")
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, WORLD_SIZES))} against traffic_formula; "
-          "2, 3 against the ledger of a real step)")
-    print("  ZeRO-3 of the run model, bytes sent per rank and step: " + "; ".join(rows))
+        rows.append(f"N = {n}: {sent:,.0f} B")  # data: the Chinese shows it as it is
+    say(COMMON("passed", check=check, what=T("against_ledger", sizes=", ".join(map(str, WORLD_SIZES)),
+                                              formula="traffic_formula", real="2, 3")),
+        T("bytes_rows", rows="; ".join(rows)))
 
 
 def _traffic_hint(got: float, psi: int, n: int, stage: int) -> Message:
@@ -566,7 +598,7 @@ def check_comm_seconds(fn: Callable[[int, int, int, float, float], float]) -> No
                          _comm_hint(got, psi, n, units, alpha, beta)).fail()
     unit_numel = RUN_SIZES[0] * RUN_SIZES[1] + RUN_SIZES[1]
     units = len(RUN_SIZES) - 1
-    rows = []
+    rows: Message | None = None
     for n in (2, 3):
         padded = units * (-(-unit_numel // n) * n)
         ran = run_with_budget(n, False, 2**40, steps=1)[0]
@@ -575,7 +607,10 @@ def check_comm_seconds(fn: Callable[[int, int, int, float, float], float]) -> No
             CheckFailure(check, f"the run: ZeRO-3 on {n} ranks, {units} units",
                          T("ledger_steps", steps=steps, sent=sent, ledger_steps=ran["ring_steps"],
                            ledger_sent=ran["sent"]), T("see_formula")).fail()
-        rows.append(f"N = {n}: {ran['collectives']} collectives, {ran['ring_steps']} ring steps, {ran['sent']:,.0f} B")
-    print(f"All tests in {check} passed (world sizes {', '.join(sorted({str(c[1]) for c in COMM_CASES}, key=int))} "
-          "against CostFit.predict; 2, 3 against the ledger of a real step)")
-    print("  ZeRO-3 of the run model, one step per rank: " + "; ".join(rows))
+        rows = (T("comm_row", n=n, collectives=ran["collectives"], ring_steps=ran["ring_steps"], sent=ran["sent"])
+                if rows is None else T("comm_row_after", before=rows, n=n, collectives=ran["collectives"],
+                                       ring_steps=ran["ring_steps"], sent=ran["sent"]))
+    say(COMMON("passed", check=check, what=T("against_ledger",
+                                              sizes=", ".join(sorted({str(c[1]) for c in COMM_CASES}, key=int)),
+                                              formula="CostFit.predict", real="2, 3")),
+        T("comm_rows", rows=rows))

@@ -40,7 +40,9 @@ from fsdp_course.classroom.checks._common import (
     require_callable,
     require_world_sizes,
     run_checked,
+    say,
 )
+from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.launch import start_torchrun, torchrun_command
@@ -103,6 +105,17 @@ T = catalogue("checkpoint", {
                         "rank {rank} 的进程加载的状态与保存的不同：{problem}"),
     "read_back_exactly": ("load must read back exactly what save wrote, in any process",
                           "在任何进程里，load 都必须原样读回 save 写下的内容"),
+    # what passed
+    "passed_saved": ("  a tiny Transformer under FSDP (one unit per encoder layer), after 2 AdamW steps: every rank's "
+                     "shards and Adam state saved and loaded back bit for bit, one file per rank",
+                     "  FSDP 下的一个小 Transformer（每个编码器层一个单元），训练 2 步 AdamW 之后：每个 rank 的分片和 "
+                     "Adam 状态都保存下来，又逐位不差地加载回来，每个 rank 一个文件"),
+    "passed_wrong_size": ("  loading the {n}-rank checkpoint on {m} ranks raised on every rank",
+                          "  在 {m} 个 rank 上加载 {n} 个 rank 保存的检查点时，每个 rank 都抛出了异常"),
+    "passed_torchrun": ("  {n} processes started by torchrun (RankContext.from_env, a real Gloo group) loaded what the "
+                        "threads saved, bit for bit",
+                        "  由 torchrun 启动的 {n} 个进程（RankContext.from_env，一个真实的 Gloo 进程组）"
+                        "逐位不差地加载了各线程保存的内容"),
 })
 
 
@@ -259,14 +272,12 @@ def check_sharded_checkpoint(save: Callable[[RankContext, dict[str, torch.Tensor
             _check_wrong_world_size(check, load, load_name, tmp, max(world_sizes))
         if torchrun:
             _check_torchrun(check, load, load_name, tmp)
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, world_sizes))})")
-    print("  a tiny Transformer under FSDP (one unit per encoder layer), after 2 AdamW steps: every rank's "
-          "shards and Adam state saved and loaded back bit for bit, one file per rank")
+    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, world_sizes)))),
+        T("passed_saved"))
     if max(world_sizes) >= 2:
-        print(f"  loading the {max(world_sizes)}-rank checkpoint on {max(world_sizes) + 1} ranks raised on every rank")
+        say(T("passed_wrong_size", n=max(world_sizes), m=max(world_sizes) + 1))
     if torchrun:
-        print(f"  {TORCHRUN_WORLD_SIZE} processes started by torchrun (RankContext.from_env, a real Gloo group) "
-              f"loaded what the threads saved, bit for bit")
+        say(T("passed_torchrun", n=TORCHRUN_WORLD_SIZE))
 
 
 def _check_results(check: str, n: int, results: list[list[Any]], directory: str) -> None:

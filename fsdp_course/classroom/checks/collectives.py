@@ -32,6 +32,7 @@ from fsdp_course.classroom.checks._common import (
     require_callable,
     require_world_sizes,
     run_checked,
+    say,
 )
 from fsdp_course.classroom.checks._common import T as shared
 from fsdp_course.fsdp.flat_param import padded_numel
@@ -124,6 +125,28 @@ T = catalogue("collectives", {
                       "reduce-scatter half, rank r holds the whole sum of chunk (r + 1) % N, the chunk it sends first",
                       "{missing}；也可能是全聚合那一半发出了尚未完成的分块：归约分散那一半结束后，"
                       "rank r 持有分块 (r + 1) % N 的完整总和，也就是它最先发送的那一块"),
+    # what passed
+    "exact_sum": ("  input shapes {shapes}: every rank holds the exact sum",
+                  "  输入形状 {shapes}：每个 rank 都得到了精确的和"),
+    "rs_ag_calls": ("  calls per rank: reduce_scatter and all_gather, no all_reduce",
+                    "  每个 rank 的调用：reduce_scatter 和 all_gather，没有 all_reduce"),
+    "rs_ag_traffic": ("  traffic of rank 0 at world size {n} for a {shape} float32 tensor, padded to {payload} B "
+                      "(ring model):",
+                      "  world size 为 {n} 时，rank 0 处理一个形状为 {shape}、填充到 {payload} B 的 float32 张量的"
+                      "通信量（环形模型）："),
+    "rs_ag_sent": ("    reduce_scatter {scatter:g} B + all_gather {gather:g} B = {both:g} B sent = 2(N-1)/N x "
+                   "{payload} B, what one all_reduce sends",
+                   "    reduce_scatter {scatter:g} B + all_gather {gather:g} B = 发送 {both:g} B = 2(N-1)/N x "
+                   "{payload} B，正是一次 all_reduce 发送的量"),
+    "ring_only": ("  rank r sends only to (r + 1) % N and receives only from (r - 1) % N; no collectives",
+                  "  rank r 只向 (r + 1) % N 发送，只从 (r - 1) % N 接收；没有集合通信"),
+    "ring_traffic": ("  traffic of rank 0 at world size {n} for a {shape} float32 tensor, padded to {padded} B:",
+                     "  world size 为 {n} 时，rank 0 处理一个形状为 {shape}、填充到 {padded} B 的 float32 张量的"
+                     "通信量："),
+    "ring_sent": ("    2(N-1) = {count} messages of one {chunk} B chunk = {sent} B sent = 2(N-1)/N x {padded} B, the "
+                  "ring model's all_reduce",
+                  "    2(N-1) = {count} 条消息，每条是一个 {chunk} B 的分块 = 发送 {sent} B = 2(N-1)/N x {padded} B，"
+                  "即环形模型中一次 all_reduce 的量"),
 })
 
 
@@ -183,19 +206,16 @@ def check_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor],
         for n in sizes:
             _check_one_all_reduce(check, n, shape, inputs[n, shape], outputs[n, shape])
 
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
-    print(f"  input shapes {', '.join(map(str, ALL_REDUCE_SHAPES))}: every rank holds the exact sum")
-    print("  calls per rank: reduce_scatter and all_gather, no all_reduce")
+    say(shared("passed", check=check, what=shared("world_sizes", sizes=", ".join(map(str, sizes)))),
+        T("exact_sum", shapes=", ".join(map(str, ALL_REDUCE_SHAPES))), T("rs_ag_calls"))
     n, shape = max(sizes), (13,)
     if n > 1:
         records = outputs[n, shape][0][1]
         sent = {r.op: r.sent_bytes for r in records}
         payload = next(r.payload_bytes for r in records if r.op == "all_gather")
         both = sent["reduce_scatter"] + sent["all_gather"]
-        print(f"  traffic of rank 0 at world size {n} for a {shape} float32 tensor, padded to {payload} B "
-              f"(ring model):")
-        print(f"    reduce_scatter {sent['reduce_scatter']:g} B + all_gather {sent['all_gather']:g} B = "
-              f"{both:g} B sent = 2(N-1)/N x {payload} B, what one all_reduce sends")
+        say(T("rs_ag_traffic", n=n, shape=shape, payload=payload),
+            T("rs_ag_sent", scatter=sent["reduce_scatter"], gather=sent["all_gather"], both=both, payload=payload))
 
 
 def _check_one_all_reduce(check: str, n: int, shape: tuple[int, ...], inputs: list[torch.Tensor],
@@ -317,16 +337,14 @@ def check_ring_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor
         for i, shape in enumerate(RING_SHAPES):
             _check_one_ring(check, n, shape, inputs[n, shape], [per_rank[r][i] for r in range(n)])
 
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
-    print(f"  input shapes {', '.join(map(str, RING_SHAPES))}: every rank holds the exact sum")
-    print("  rank r sends only to (r + 1) % N and receives only from (r - 1) % N; no collectives")
+    say(shared("passed", check=check, what=shared("world_sizes", sizes=", ".join(map(str, sizes)))),
+        T("exact_sum", shapes=", ".join(map(str, RING_SHAPES))), T("ring_only"))
     n = max(sizes)
     if n > 1:
         padded = padded_numel(13, n)
         chunk_bytes = padded // n * 4
-        print(f"  traffic of rank 0 at world size {n} for a (13,) float32 tensor, padded to {padded * 4} B:")
-        print(f"    2(N-1) = {2 * (n - 1)} messages of one {chunk_bytes} B chunk = {2 * (n - 1) * chunk_bytes} B sent "
-              f"= 2(N-1)/N x {padded * 4} B, the ring model's all_reduce")
+        say(T("ring_traffic", n=n, shape=(13,), padded=padded * 4),
+            T("ring_sent", count=2 * (n - 1), chunk=chunk_bytes, sent=2 * (n - 1) * chunk_bytes, padded=padded * 4))
 
 
 def _check_one_ring(check: str, n: int, shape: tuple[int, ...], inputs: list[torch.Tensor],

@@ -26,7 +26,9 @@ from fsdp_course.classroom.checks._common import (
     format_tensor,
     require_callable,
     require_world_sizes,
+    say,
 )
+from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.fsdp.flat_param import FlatParamLayout, flatten_params
 from fsdp_course.i18n.messages import Message, catalogue
 
@@ -94,6 +96,11 @@ T = catalogue("dcp", {
              "is what cutting one unit at a time avoids",
              "返回副本（.clone()）：视图会让整个全聚合的单元在全聚合的结果被释放之后仍然存活，而逐个单元切分正是为了"
              "避免这一点"),
+    # what passed
+    "passed": ("  {units} units, every rank: each parameter's rows as torch.chunk cuts them on dim 0 (empty chunks "
+               "included), copied out of the gathered flat parameter",
+               "  {units} 个单元，每个 rank：每个参数的行都按 torch.chunk 在第 0 维上的切法切出（包括空分块），"
+               "并从全聚合后的展平参数中拷贝出来"),
 })
 
 
@@ -128,9 +135,8 @@ def check_dim0_chunks(fn: Callable[..., Any], world_sizes: Sequence[int] = (1, 2
                 got = call_learner(check, name, fn, layout, given, rank, n, where=where,
                                    hint_for=lambda exc, layout=layout, rank=rank, n=n: _hint_for(exc, layout, rank, n))
                 _judge(check, where, layout, given, got, reference_chunks(named, rank, n), rank, n)
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
-    print(f"  {len(UNITS)} units, every rank: each parameter's rows as torch.chunk cuts them on dim 0 (empty chunks "
-          "included), copied out of the gathered flat parameter")
+    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
+        T("passed", units=len(UNITS)))
 
 
 def _hint_for(exc: BaseException, layout: FlatParamLayout, rank: int, n: int) -> Message:

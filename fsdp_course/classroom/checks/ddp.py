@@ -27,8 +27,10 @@ from fsdp_course.classroom.checks._common import (
     require_callable,
     require_world_sizes,
     run_checked,
+    say,
     scale_ratio,
 )
+from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import (
     close,
     global_batches,
@@ -96,6 +98,15 @@ T = catalogue("ddp", {
     "step_unused": ("the gradients matched, so the step did not use them: do not change p.grad or the parameters "
                     "after backward",
                     "梯度是对的，所以是这一步更新没有用上它们：反向之后不要再修改 p.grad 或参数"),
+    # what passed
+    "broadcast_passed": ("  every rank started from its own random model; after the call all hold rank 0's values, in "
+                         "the same parameter objects",
+                         "  每个 rank 都从自己的随机模型开始；调用之后，所有 rank 都持有 rank 0 的值，"
+                         "而且仍是原来那些参数对象"),
+    "ddp_passed": ("  {steps} SGD steps, global batch {batch} split over the ranks: every rank's gradients and "
+                   "parameters equal one process's, at every step",
+                   "  {steps} 步 SGD，全局批大小 {batch}，分给各 rank：每一步里，每个 rank 的梯度和参数"
+                   "都与单进程的结果相同"),
 })
 
 
@@ -154,9 +165,8 @@ def check_broadcast_parameters(fn: Callable[[RankContext, nn.Module], Any],
     sizes = require_world_sizes(world_sizes)
     for n in sizes:
         _run_broadcast(check, name, fn, n)
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
-    print("  every rank started from its own random model; after the call all hold rank 0's values, "
-          "in the same parameter objects")
+    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
+        T("broadcast_passed"))
 
 
 def check_ddp(broadcast_parameters: Callable[[RankContext, nn.Module], Any],
@@ -209,9 +219,8 @@ def check_ddp(broadcast_parameters: Callable[[RankContext, nn.Module], Any],
             for rank, (_, steps) in enumerate(per_rank):
                 grads, params = steps[step - 1]
                 _compare_step(check, n, rank, step, grads, params, reference[step - 1], base, batches)
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
-    print(f"  {STEPS} SGD steps, global batch {GLOBAL_BATCH} split over the ranks: every rank's gradients and "
-          "parameters equal one process's, at every step")
+    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
+        T("ddp_passed", steps=STEPS, batch=GLOBAL_BATCH))
 
 
 def _compare_step(check: str, n: int, rank: int, step: int, grads: dict[str, torch.Tensor | None],

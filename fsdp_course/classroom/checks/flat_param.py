@@ -25,7 +25,9 @@ from fsdp_course.classroom.checks._common import (
     format_tensor,
     require_callable,
     run_checked,
+    say,
 )
+from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.fsdp.flat_param import FlatParamLayout
 from fsdp_course.i18n.messages import catalogue
 from fsdp_course.runtime.context import RankContext
@@ -106,6 +108,16 @@ T = catalogue("flat_param", {
                         "由全聚合的分片重建出的参数 {i} 不对"),
     "each_step": ("flatten, take the shard, all_gather, unflatten: each step must agree",
                   "展平、取分片、all_gather、还原成视图：每一步都必须彼此一致"),
+    # what passed
+    "passed_layout": ("  {cases} lists of shapes: flattened in order, padded with zeros to a multiple of N; equal "
+                      "shards in rank order; views that share the flat buffer's memory",
+                      "  {cases} 组形状：按顺序展平，用零填充到 N 的整数倍；按 rank 顺序切成大小相等的分片；"
+                      "视图与展平缓冲区共享内存"),
+    "passed_gather": ("  on simulated ranks (world sizes {sizes}): all-gathering every rank's shard rebuilds every "
+                      "parameter",
+                      "  在模拟的 rank 上（world size 为 {sizes}）：全聚合每个 rank 的分片，就能重建每个参数"),
+    "passed_example": ("  e.g. shapes {shapes} over {n} ranks: {numel} elements padded to {padded}, shards {shards}",
+                       "  例如形状 {shapes} 分到 {n} 个 rank 上：{numel} 个元素填充到 {padded}，分片为 {shards}"),
 })
 
 
@@ -145,14 +157,13 @@ def check_flat_param(flatten_with_padding: Callable[[list[torch.Tensor], int], t
         _check_views(check, names[2], unflatten_views, shapes)
     for n in GATHER_WORLD_SIZES:
         _check_round_trip(check, flatten_with_padding, shard_range, unflatten_views, n)
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, WORLD_SIZES))})")
-    print(f"  {len(SHAPE_CASES)} lists of shapes: flattened in order, padded with zeros to a multiple of N; "
-          "equal shards in rank order; views that share the flat buffer's memory")
-    print(f"  on simulated ranks (world sizes {', '.join(map(str, GATHER_WORLD_SIZES))}): all-gathering every "
-          "rank's shard rebuilds every parameter")
-    layout = _layout(SHAPE_CASES[1], 3)
-    print(f"  e.g. shapes {', '.join(map(str, SHAPE_CASES[1]))} over 3 ranks: {layout.numel} elements padded to "
-          f"{layout.padded_numel}, shards {', '.join(str(layout.shard_range(r)) for r in range(3))}")
+    n = 3
+    layout = _layout(SHAPE_CASES[1], n)
+    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, WORLD_SIZES)))),
+        T("passed_layout", cases=len(SHAPE_CASES)),
+        T("passed_gather", sizes=", ".join(map(str, GATHER_WORLD_SIZES))),
+        T("passed_example", shapes=", ".join(map(str, SHAPE_CASES[1])), n=n, numel=layout.numel,
+          padded=layout.padded_numel, shards=", ".join(str(layout.shard_range(r)) for r in range(n))))
 
 
 def _check_flatten(check: str, name: str, fn: Callable, shapes: Sequence[tuple[int, ...]], n: int) -> None:

@@ -36,8 +36,10 @@ from fsdp_course.classroom.checks._common import (
     require_callable,
     require_world_sizes,
     run_checked,
+    say,
     scale_ratio,
 )
+from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import (
     close,
     global_batches,
@@ -124,6 +126,15 @@ T = catalogue("fsdp_unit", {
                       "更新之后，单元 {k} 的参数分片与单进程的结果不同"),
     "step_shard": ("the optimizer steps self.shard: keep the shard an nn.Parameter, and gather from it",
                    "优化器更新的是 self.shard：让分片保持为 nn.Parameter，并从它全聚合"),
+    # what passed
+    "passed_steps": ("  3 units (Linear {sizes}), {steps} SGD steps, global batch {batch}: every rank's gradient chunk "
+                     "and parameter shard equal one process's, at every step",
+                     "  3 个单元（Linear {sizes}），{steps} 步 SGD，全局批大小 {batch}：每一步里，"
+                     "每个 rank 的梯度分块和参数分片都与单进程的结果相同"),
+    "passed_accumulate": ("  step {step} accumulated two backward passes in shard.grad; every forward made fresh views",
+                          "  第 {step} 步在 shard.grad 中累加了两次反向传播的梯度；每次前向都创建了新的视图"),
+    "passed_freed": ("  after each unit's forward and after backward, the gathered parameters were freed",
+                     "  每个单元的前向之后和反向之后，全聚合得到的参数都被释放了"),
 })
 
 
@@ -213,11 +224,9 @@ def check_fsdp_unit(unit_class: Callable[[nn.Module, RankContext], Any],
         for step in range(STEPS):
             for rank in range(n):
                 _compare(check, n, rank, step + 1, per_rank[rank][step], reference[step], layouts)
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
-    print(f"  3 units (Linear {SIZES[0]}->{SIZES[1]}->{SIZES[2]}->{SIZES[3]}), {STEPS} SGD steps, global batch "
-          f"{GLOBAL_BATCH}: every rank's gradient chunk and parameter shard equal one process's, at every step")
-    print(f"  step {ACCUMULATE_STEP} accumulated two backward passes in shard.grad; every forward made fresh views")
-    print("  after each unit's forward and after backward, the gathered parameters were freed")
+    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
+        T("passed_steps", sizes="->".join(map(str, SIZES)), steps=STEPS, batch=GLOBAL_BATCH),
+        T("passed_accumulate", step=ACCUMULATE_STEP), T("passed_freed"))
 
 
 def _compare(check: str, n: int, rank: int, step: int, record: Any, ref: Any, layouts: list[FlatParamLayout]) -> None:

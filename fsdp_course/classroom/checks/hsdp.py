@@ -29,7 +29,9 @@ from fsdp_course.classroom.checks._common import (
     format_tensor,
     require_callable,
     run_checked,
+    say,
 )
+from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.fsdp.flat_param import padded_numel
 from fsdp_course.i18n.messages import catalogue
 from fsdp_course.runtime.context import RankContext
@@ -107,6 +109,12 @@ T = catalogue("hsdp", {
     "path": ("reduce-scatter (mean) in mesh.shard, then all-reduce (mean) of the result in mesh.replicate, and return "
              "that shard",
              "在 mesh.shard 中归约分散（mean），再在 mesh.replicate 中对结果全归约（mean），并返回该分片"),
+    # what passed
+    "meshes": ("world sizes {sizes}; meshes {shapes}", "world size 为 {sizes}；mesh 为 {shapes}"),
+    "passed": ("  reduce-scatter (mean) in the shard group, all-reduce (mean) of the shard in the replicate group: "
+               "every rank holds its shard of the mean over all ranks, and the replicas of a shard agree",
+               "  在分片组中归约分散（mean），再在副本组中对分片全归约（mean）：每个 rank 都持有所有 rank 平均值中"
+               "属于自己的分片，且同一分片的各个副本一致"),
 })
 
 
@@ -149,9 +157,8 @@ def check_hsdp_grad(fn: Callable[[Any, torch.Tensor], torch.Tensor],
                               exception_hint)
         _judge(check, replicate, shard, grads, results)
     shapes = ", ".join(f"{r}x{s}" for r, s in meshes)
-    print(f"All tests in {check} passed (world sizes {', '.join(str(r * s) for r, s in meshes)}; meshes {shapes})")
-    print("  reduce-scatter (mean) in the shard group, all-reduce (mean) of the shard in the replicate group: every "
-          "rank holds its shard of the mean over all ranks, and the replicas of a shard agree")
+    what = T("meshes", sizes=", ".join(str(r * s) for r, s in meshes), shapes=shapes)
+    say(COMMON("passed", check=check, what=what), T("passed"))
 
 
 def _judge(check: str, replicate: int, shard: int, grads: list[torch.Tensor], results: list[dict[str, Any]]) -> None:

@@ -33,6 +33,7 @@ from fsdp_course.classroom.checks._common import (
     format_tensor,
     require_callable,
     require_world_sizes,
+    say,
 )
 from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import ADAMW, Case, FSDPTrainee, check_equivalence, digits_batches
@@ -149,6 +150,12 @@ T = catalogue("lora", {
                        "rank {rank}：冻结的 {name} 在训练中改变了"),
     "stay_frozen": ("the base must stay frozen: requires_grad False, so it gets no gradient and no step",
                     "基座必须保持冻结：requires_grad 为 False，这样它既得不到梯度，也不会被更新"),
+    # what passed
+    "passed": ("  the base frozen, B zero at step 0 (the output is the base's, bit for bit, and follows the base's "
+               "weights when they are swapped), the scaled update and its gradients as the formula's; under FSDP the "
+               "fine-tuning equals one process's and the base stays bit-identical on every rank",
+               "  基座被冻结，第 0 步时 B 为零（输出与基座的输出逐位相同，换掉基座的权重后输出也随之改变），"
+               "缩放后的更新及其梯度都与公式一致；在 FSDP 下，微调结果与单进程相同，且基座在每个 rank 上都逐位不变"),
 })
 
 
@@ -350,7 +357,5 @@ def check_lora_linear(cls: Callable[..., nn.Module], world_sizes: Sequence[int] 
     _with_values(module, base, name)
     _gradients(module, base, name)
     _under_fsdp(cls, sizes)
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
-    print("  the base frozen, B zero at step 0 (the output is the base's, bit for bit, and follows the base's weights "
-          "when they are swapped), the scaled update and its gradients as the formula's; under FSDP the fine-tuning "
-          "equals one process's and the base stays bit-identical on every rank")
+    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
+        T("passed"))

@@ -21,7 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_course.classroom.checks._common import CHECK_TIMEOUT, CheckFailure, Message, call_learner, require_callable
+from fsdp_course.classroom.checks._common import (
+    CHECK_TIMEOUT,
+    CheckFailure,
+    Message,
+    call_learner,
+    require_callable,
+    say,
+)
+from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import global_batches, local_slice, seeded_mlp
 from fsdp_course.i18n.messages import catalogue
 from fsdp_course.memory import SHARDED_FROM_STAGE, measure, zero_formula
@@ -67,6 +75,16 @@ T = catalogue("memory", {
     "plain_numbers": ("return plain numbers of bytes (int or float)", "返回表示字节数的普通数字（int 或 float）"),
     "got_expected": ("{category}: got {got:,.0f} B, expected {expected:,.0f} B",
                      "{category}：得到 {got:,.0f} B，应为 {expected:,.0f} B"),
+    # what passed
+    "against": ("world sizes {formula} against zero_formula; {measured} against measured bytes",
+                "world size 为 {formula} 时与 zero_formula 对照；为 {measured} 时与实测字节数对照"),
+    "measured_after": ("  measured after one AdamW step, {numel} parameters, rank 0 (params + grads + Adam state):",
+                       "  一步 AdamW 之后的实测值，{numel} 个参数，rank 0（参数 + 梯度 + Adam 状态）："),
+    # the rows are data: the stage's name, N and two numbers of bytes, aligned under the columns' names
+    "table": ("    stage         N  your formula B  measured B\n{rows}",
+              "    阶段          N      你的公式 B      实测 B\n{rows}"),
+    "step_counters": ("  (measured includes Adam's step counters, 4 B per parameter tensor)",
+                      "  （实测值包含 Adam 的 step 计数器，每个参数张量 4 B）"),
 })
 
 
@@ -154,13 +172,12 @@ def check_zero_memory(fn: Callable[[int, int, int], dict[str, float]]) -> None:
                                  T("measured", category=key, got=float(got[key]), held=measured[stage][key]),
                                  _hint(key, stage, n, float(got[key]), measured[stage][key])).fail()
             rows.append((STAGE_NAMES[stage], n, float(got["total"]), measured[stage]["total"]))
-    print(f"All tests in {check} passed (world sizes {', '.join(str(n) for n in sorted({n for _, n in FORMULA_CASES}))}"
-          f" against zero_formula; {', '.join(map(str, MEASURE_WORLD_SIZES))} against measured bytes)")
-    print(f"  measured after one AdamW step, {numel} parameters, rank 0 (params + grads + Adam state):")
-    print(f"    {'stage':<12} {'N':>2} {'your formula B':>15} {'measured B':>11}")
-    for stage_name, n, formula, measured_total in rows:
-        print(f"    {stage_name:<12} {n:>2} {formula:>15,.0f} {measured_total:>11,}")
-    print("  (measured includes Adam's step counters, 4 B per parameter tensor)")
+    against = T("against", formula=", ".join(str(n) for n in sorted({n for _, n in FORMULA_CASES})),
+                measured=", ".join(map(str, MEASURE_WORLD_SIZES)))
+    table = "\n".join(f"    {stage_name:<12} {n:>2} {formula:>15,.0f} {measured_total:>11,}"
+                      for stage_name, n, formula, measured_total in rows)
+    say(COMMON("passed", check=check, what=against), T("measured_after", numel=numel), T("table", rows=table),
+        T("step_counters"))
 
 
 def _compare(check: str, where: str, got: Any, expected: dict[str, float], stage: int, n: int) -> None:

@@ -33,8 +33,10 @@ from fsdp_course.classroom.checks._common import (
     require_callable,
     require_world_sizes,
     run_checked,
+    say,
     scale_ratio,
 )
+from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import close, max_rel_diff
 from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.runtime.context import RankContext
@@ -138,6 +140,17 @@ T = catalogue("mixed_precision", {
     "rule": ("halve the scale and reset the count on found_inf; else count the step and double at growth_interval",
              "found_inf 为 True 时把 scale 减半并把计数清零；否则计入这一步，并在计数达到 growth_interval 时"
              "把 scale 翻倍"),
+    # what passed
+    "found_inf_passed": ("  every rank unscales its shards as torch's kernel does on the full gradients, and every "
+                         "rank skips when any one rank holds an inf or a NaN",
+                         "  每个 rank 对自己分片的反缩放都与 torch 的 kernel 对完整梯度的做法一致；"
+                         "只要有一个 rank 持有 inf 或 NaN，每个 rank 都会跳过这一步"),
+    "update_steps": ("{steps} steps against torch._amp_update_scale_", "与 torch._amp_update_scale_ 对照了 {steps} 步"),
+    "update_passed": ("  the scale halves after every skipped step and doubles after {growth} clean steps in a row, "
+                      "the count of clean steps restarting after each change; every rank runs this rule on the same "
+                      "decision",
+                      "  每跳过一步，scale 减半；连续 {growth} 个正常步（没有 inf 或 NaN）之后，scale 翻倍；"
+                      "每次变化之后，正常步的计数从零重新开始；每个 rank 都按同一个决定执行这条规则"),
 })
 
 
@@ -211,9 +224,8 @@ def check_found_inf(fn: Callable[[RankContext, list[torch.Tensor], float], Any],
             _judge_flags(check, where, n, plant, flags, expected)
             for rank, (_, got) in enumerate(per_rank):  # unscaled in place whatever was found, as torch's kernel
                 _compare_shards(check, f"{where}, rank {rank}", n, rank, got, shards[rank], reference, found=expected)
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
-    print("  every rank unscales its shards as torch's kernel does on the full gradients, and every rank skips when "
-          "any one rank holds an inf or a NaN")
+    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
+        T("found_inf_passed"))
 
 
 def _judge_flags(check: str, where: str, n: int, plant: str | None, flags: list[bool], expected: bool) -> None:
@@ -309,9 +321,8 @@ def check_update_scale(fn: Callable[[float, bool, int, int], Any], init_scale: f
                          [f"the steps so far (found_inf, scale after): {history}"] if history else []).fail()
         scale, clean = expected
         history.append((found, scale))
-    print(f"All tests in {check} passed ({len(SEQUENCE)} steps against torch._amp_update_scale_)")
-    print(f"  the scale halves after every skipped step and doubles after {GROWTH_INTERVAL} clean steps in a row, the "
-          "count of clean steps restarting after each change; every rank runs this rule on the same decision")
+    say(COMMON("passed", check=check, what=T("update_steps", steps=len(SEQUENCE))),
+        T("update_passed", growth=GROWTH_INTERVAL))
 
 
 def _update_hint(scale: float, found: bool, clean: int, got: tuple[float, Any],

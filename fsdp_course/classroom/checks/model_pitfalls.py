@@ -30,7 +30,9 @@ from fsdp_course.classroom.checks._common import (
     exception_hint,
     format_tensor,
     require_callable,
+    say,
 )
+from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.models import TransformerClassifier, TransformerConfig
 
@@ -147,6 +149,19 @@ T = catalogue("model_pitfalls", {
               "同一个 generator 种子给出了不同的数据，或者另一个种子给出了相同的数据"),
     "from_generator": ("draw the ids from the generator you are given: torch.randint(..., generator=generator)",
                        "用给你的 generator 生成 id：torch.randint(..., generator=generator)"),
+    # what passed
+    "logits_cases": ("batch, seq = {cases}", "批大小和序列长度为 {cases}"),
+    "logits_passed": ("  long ids into the embedding, float from there on, (seq, batch, d) into the encoder, the mean "
+                      "over the sequence: (batch, classes) logits equal to the model's own forward, ready for "
+                      "F.cross_entropy",
+                      "  long 类型的 id 送入嵌入层，此后都是 float，(seq, batch, d) 送入编码器，再对序列求平均："
+                      "得到的 (batch, classes) logits 与模型自己的前向结果相同，可以直接交给 F.cross_entropy"),
+    "samples_cases": ("n={n}, seq={seq}, vocab={vocab}; seeds 1 and 2", "n={n}, seq={seq}, vocab={vocab}；种子 1 和 2"),
+    "samples_passed": ("  {distinct} distinct inputs of {n}, {labels} distinct labels, each sum % 10 of its own ids; "
+                       "F.cross_entropy takes them with the model's (n, classes) logits",
+                       "  {n} 个输入中有 {distinct} 个互不相同，共 {labels} 种标签，"
+                       "每个标签都是它自己那些 id 之和 % 10；F.cross_entropy 可以把它们和模型的 (n, classes) logits "
+                       "一起使用"),
 })
 
 
@@ -220,9 +235,8 @@ def check_forward_logits(fn: Callable[[TransformerClassifier, torch.Tensor], Any
             _compare_logits(check, where, model, tokens, expected, got)
     finally:
         handle.remove()
-    print(f"All tests in {check} passed (batch, seq = {', '.join(f'({b}, {t})' for b, t in CASES)})")
-    print("  long ids into the embedding, float from there on, (seq, batch, d) into the encoder, the mean over the "
-          "sequence: (batch, classes) logits equal to the model's own forward, ready for F.cross_entropy")
+    say(COMMON("passed", check=check, what=T("logits_cases", cases=", ".join(f"({b}, {t})" for b, t in CASES))),
+        T("logits_passed"))
 
 
 def _compare_logits(check: str, where: str, model: TransformerClassifier, tokens: torch.Tensor,
@@ -295,6 +309,5 @@ def check_make_samples(fn: Callable[[int, int, int, torch.Generator], Any]) -> N
     model = checker_model()
     loss = F.cross_entropy(model(inputs), labels)  # the pitfall 5.2 pairing: (n, classes) logits, (n,) targets
     assert torch.isfinite(loss)
-    print(f"All tests in {check} passed (n={n}, seq={seq}, vocab={vocab}; seeds 1 and 2)")
-    print(f"  {len(inputs.unique(dim=0))} distinct inputs of {n}, {len(labels.unique())} distinct labels, each "
-          f"sum % 10 of its own ids; F.cross_entropy takes them with the model's (n, classes) logits")
+    say(COMMON("passed", check=check, what=T("samples_cases", n=n, seq=seq, vocab=vocab)),
+        T("samples_passed", distinct=len(inputs.unique(dim=0)), n=n, labels=len(labels.unique())))

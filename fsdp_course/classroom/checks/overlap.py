@@ -40,7 +40,9 @@ from fsdp_course.classroom.checks._common import (
     require_callable,
     require_world_sizes,
     run_checked,
+    say,
 )
+from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import close, max_rel_diff
 from fsdp_course.fsdp.flat_param import FlatParamLayout
 from fsdp_course.fsdp.param_group import Span
@@ -123,6 +125,11 @@ T = catalogue("overlap", {
     "output_differs": ("the output differs from one process's", "输出与单进程的结果不同"),
     "pass_on": ("pass each unit's output on as the next unit's x, and return the last one",
                 "把每个单元的输出作为下一个单元的 x 传下去，并返回最后一个输出"),
+    # what passed
+    "passed": ("  {units} units: each unit's all-gather started before the previous unit's compute and was waited for "
+               "just before use, one unit ahead; the output equals one process's",
+               "  {units} 个单元：每个单元的全聚合都在前一个单元计算之前就已启动，直到使用前才等待它完成，"
+               "即提前一个单元；输出与单进程的结果相同"),
 })
 
 
@@ -310,9 +317,8 @@ def check_forward_prefetch(fn: Callable[..., Any], world_sizes: Sequence[int] = 
         reference = chain.reference()
         for rank, run in enumerate(_run(check, name, fn, chain)):
             _judge(check, chain, n, rank, run, reference)
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
-    print(f"  {len(WIDTHS) - 1} units: each unit's all-gather started before the previous unit's compute and was "
-          "waited for just before use, one unit ahead; the output equals one process's")
+    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
+        T("passed", units=len(WIDTHS) - 1))
 
 
 def _judge(check: str, chain: _Chain, n: int, rank: int, run: ForwardRun, reference: torch.Tensor) -> None:

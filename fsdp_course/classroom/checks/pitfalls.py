@@ -31,8 +31,10 @@ from fsdp_course.classroom.checks._common import (
     require_callable,
     require_world_sizes,
     run_checked,
+    say,
     scale_ratio,
 )
+from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import (
     close,
     global_batches,
@@ -107,6 +109,16 @@ T = catalogue("pitfalls", {
                     "这是全局损失的 {n} 倍：要对损失求平均（op='mean'），不要求和"),
     "wrong_loss": ("rank {rank} returned the loss {loss:.6g}, one process's is {ref:.6g}",
                    "rank {rank} 返回的损失是 {loss:.6g}，单进程的是 {ref:.6g}"),
+    # what passed
+    "clip_passed": ("  every rank returns the global norm of all shards and scales its shards by the same factor, as "
+                    "torch.nn.utils.clip_grad_norm_ does on one process; nothing changes when the norm is below "
+                    "max_norm",
+                    "  每个 rank 都返回所有分片的全局范数，并用同一个系数缩放自己的分片，"
+                    "与 torch.nn.utils.clip_grad_norm_ 在单进程上的做法一致；范数低于 max_norm 时什么都不改变"),
+    "step_passed": ("  {steps} SGD steps, global batch {batch} split over the ranks: every rank returns the global "
+                    "loss and holds one process's parameters after every step",
+                    "  {steps} 步 SGD，全局批大小 {batch}，分给各 rank：每一步之后，每个 rank 都返回全局损失，"
+                    "并持有与单进程相同的参数"),
 })
 
 
@@ -146,9 +158,8 @@ def check_clip_grad_norm(fn: Callable[[RankContext, list[torch.Tensor], float], 
                                    exception_hint)
             for rank, (norm, clipped) in enumerate(per_rank):
                 _compare_clip(check, n, case, max_norm, rank, norm, clipped, total, reference, shards)
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
-    print("  every rank returns the global norm of all shards and scales its shards by the same factor, as "
-          "torch.nn.utils.clip_grad_norm_ does on one process; nothing changes when the norm is below max_norm")
+    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
+        T("clip_passed"))
 
 
 def _compare_clip(check: str, n: int, case: str, max_norm: float, rank: int, norm: Any, clipped: list,
@@ -236,9 +247,8 @@ def check_train_step(fn: Callable[[RankContext, Any, torch.optim.Optimizer, torc
             for rank in range(n):
                 loss, params, local_loss = per_rank[rank][step]
                 _compare_step(check, n, rank, step + 1, loss, params, local_loss, reference[step], before)
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
-    print(f"  {STEP_STEPS} SGD steps, global batch {STEP_BATCH} split over the ranks: every rank returns the global "
-          "loss and holds one process's parameters after every step")
+    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
+        T("step_passed", steps=STEP_STEPS, batch=STEP_BATCH))
 
 
 def _compare_step(check: str, n: int, rank: int, step: int, loss: Any, params: dict, local_loss: float,

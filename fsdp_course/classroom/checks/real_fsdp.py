@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_course.classroom.checks._common import CheckFailure, exception_hint, require_callable
+from fsdp_course.classroom.checks._common import CheckFailure, exception_hint, require_callable, say
 from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.runtime.context import RankContext
@@ -109,6 +109,17 @@ T = catalogue("real_fsdp", {
                         "gathered, the layers are gathered again in the backward)",
                         "先分片每一层，再分片模型，使用默认的 reshard_after_forward（根单元保持全聚合，"
                         "各层在反向时再全聚合一次）"),
+    # what passed
+    "passed": ("  fully_shard on {units}, in that order: {states} FSDP states; {gathers} all-gathers and {scatters} "
+               "reduce-scatters per step under torchrun",
+               "  按 {units} 的顺序调用 fully_shard：{states} 个 FSDP 状态；在 torchrun 下每步 {gathers} 次全聚合、"
+               "{scatters} 次归约分散"),
+    "losses": ("  step  loss, fully_shard  loss, course FSDP  relative difference (below {tol:g})",
+               "  步骤  fully_shard 损失    课程 FSDP 损失  相对差（低于 {tol:g}）"),
+    "step_below": ("  {step:>4}  {theirs:>16.4f}  {ours:>16.4f}  below 1e-5",
+                   "  {step:>4}  {theirs:>16.4f}  {ours:>16.4f}  低于 1e-5"),
+    "step_gap": ("  {step:>4}  {theirs:>16.4f}  {ours:>16.4f}  {gap:.1e}",
+                 "  {step:>4}  {theirs:>16.4f}  {ours:>16.4f}  {gap:.1e}（未低于上限）"),
 })
 
 
@@ -227,20 +238,20 @@ def _verdict(check: str, runs: list[dict[str, Any]]) -> None:
     ours = course_losses()
     theirs = [sum(r["losses"][s] for r in runs) / len(runs) for s in range(STEPS)]
     gaps = [abs(a - b) / abs(b) for a, b in zip(theirs, ours, strict=True)]
-    if max(gaps) > TOL:
-        step = max(range(STEPS), key=gaps.__getitem__)
+    if not all(gap <= TOL for gap in gaps):  # a NaN loss is never within the tolerance
+        step = next(s for s, gap in enumerate(gaps) if not gap <= TOL)  # the first step that differs
         CheckFailure(check, f"world size {WORLD_SIZE}, torchrun, step {step}",
                      T("loss_differs", theirs=theirs[step], ours=ours[step], gap=gaps[step], tol=TOL),
                      T("exact_units"),
                      [f"losses, fully_shard: {[round(v, 6) for v in theirs]}",
                       f"losses, course FSDP: {[round(v, 6) for v in ours]}"]).fail()
-    print(f"All tests in {check} passed (world sizes {WORLD_SIZE})")
-    print(f"  fully_shard on {', '.join(EXPECTED_UNITS)}, in that order: {runs[0]['units']} FSDP states; "
-          f"{runs[0]['all_gathers'] // STEPS} all-gathers and {runs[0]['reduce_scatters'] // STEPS} reduce-scatters "
-          "per step under torchrun")
-    print(f"  step  loss, fully_shard  loss, course FSDP  relative difference (below {TOL:g})")
-    for step, (a, b, gap) in enumerate(zip(theirs, ours, gaps, strict=True)):
-        print(f"  {step:>4}  {a:>16.4f}  {b:>16.4f}  {'below 1e-5' if gap < TOL else f'{gap:.1e}'}")
+    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=WORLD_SIZE)),
+        T("passed", units=", ".join(EXPECTED_UNITS), states=runs[0]["units"], gathers=runs[0]["all_gathers"] // STEPS,
+          scatters=runs[0]["reduce_scatters"] // STEPS),
+        T("losses", tol=TOL),
+        *(T("step_below", step=step, theirs=a, ours=b) if gap < TOL else
+          T("step_gap", step=step, theirs=a, ours=b, gap=gap)
+          for step, (a, b, gap) in enumerate(zip(theirs, ours, gaps, strict=True))))
 
 
 def _hint(exc: BaseException) -> Message:

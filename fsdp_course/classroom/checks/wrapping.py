@@ -40,7 +40,9 @@ from fsdp_course.classroom.checks._common import (
     require_callable,
     require_world_sizes,
     run_checked,
+    say,
 )
+from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.fsdp import FSDP
 from fsdp_course.fsdp.flat_param import padded_numel
 from fsdp_course.i18n.messages import Message, catalogue
@@ -153,6 +155,17 @@ T = catalogue("wrapping", {
                 "bytes per element of Ψ/N, 8 per element of the largest unit",
                 "Ψ = 各单元填充后大小之和；largest = 最大的单元，包括根单元；fp32 AdamW：Ψ/N 的每个元素 16 字节，"
                 "最大单元的每个元素 8 字节"),
+    # what passed
+    "numels_passed": ("  {policies} policies: every unit's padded size equals what the course's FSDP builds",
+                      "  {policies} 种包装策略：每个单元填充后的大小都与课程的 FSDP 构建出的一致"),
+    "peak_measured": ("  world size {n}: {units} units, largest {largest!r} ({numel}); measured peak {peak} bytes at "
+                      "'{label}' = {ratio:.3f} x predicted {predicted:.0f}",
+                      "  world size {n}：{units} 个单元，最大的是 {largest!r}（{numel}）；实测峰值 {peak} 字节"
+                      "（出现在 '{label}'）= {ratio:.3f} x 预测值 {predicted:.0f}"),
+    "peak_passed": ("  the prediction is 16Ψ/N + 8 · largest on {cases} sets of units; with wrap_policy() no unit is "
+                    "larger than a layer and the measured peak lies within [{bound}, 1] of the prediction",
+                    "  在 {cases} 组单元上，预测值都等于 16Ψ/N + 8 · largest；使用 wrap_policy() 时，"
+                    "没有哪个单元比一层大，实测峰值在预测值的 [{bound}, 1] 倍之间"),
 })
 
 
@@ -186,8 +199,8 @@ def check_unit_numels(fn: Callable[[nn.Module, Any, int], dict[str, int]],
             expected = fsdp_unit_numels(model, wrap, n)
             got = call_learner(check, name, fn, copy.deepcopy(model), copy.copy(wrap), n, where=where)
             _judge_units(check, where, model, n, expected, got)
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
-    print(f"  {len(POLICIES)} policies: every unit's padded size equals what the course's FSDP builds")
+    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
+        T("numels_passed", policies=len(POLICIES)))
 
 
 def _judge_units(check: str, where: str, model: nn.Module, n: int, expected: dict[str, int], got: Any) -> None:
@@ -257,7 +270,7 @@ def check_predicted_peak(fn: Callable[[dict[str, int], int], float], wrap_policy
     wrap = call_learner(check, policy_name, wrap_policy, where="calling wrap_policy()")
     model = exercise_model()
     layer = count_parameters(model.encoder.layers[0])
-    lines: list[str] = []
+    lines: list[Message] = []
     for n in sizes:
         where = f"world size {n}, wrap_policy() = {_policy_text(wrap)}"
         runs = run_checked(check, "FSDP(model, ctx, wrap=wrap_policy())", lambda ctx: _train(model, ctx, wrap, 2), n,
@@ -277,13 +290,10 @@ def check_predicted_peak(fn: Callable[[dict[str, int], int], float], wrap_policy
         if not PEAK_BOUND * predicted <= peak <= predicted:
             CheckFailure(check, where, T("peak_outside", peak=peak, predicted=float(predicted), ratio=ratio,
                                          bound=PEAK_BOUND), T("formula_units")).fail()
-        lines.append(f"  world size {n}: {len(numels)} units, largest {largest_name!r} ({numels[largest_name]}); "
-                     f"measured peak {peak} bytes at '{runs[0]['peak_label']}' = {ratio:.3f} x predicted "
-                     f"{float(predicted):.0f}")
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
-    print("\n".join(lines))
-    print(f"  the prediction is 16Ψ/N + 8 · largest on {len(PEAK_CASES)} sets of units; with wrap_policy() no unit is "
-          f"larger than a layer and the measured peak lies within [{PEAK_BOUND}, 1] of the prediction")
+        lines.append(T("peak_measured", n=n, units=len(numels), largest=largest_name, numel=numels[largest_name],
+                       peak=peak, label=runs[0]["peak_label"], ratio=ratio, predicted=float(predicted)))
+    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))), *lines,
+        T("peak_passed", cases=len(PEAK_CASES), bound=PEAK_BOUND))
 
 
 def _policy_text(wrap: Any) -> str:

@@ -37,8 +37,10 @@ from fsdp_course.classroom.checks._common import (
     require_callable,
     require_world_sizes,
     run_checked,
+    say,
     scale_ratio,
 )
+from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.fsdp.flat_param import padded_numel
 from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.runtime.context import RankContext
@@ -133,6 +135,11 @@ T = catalogue("zero", {
                 "ZeRO-2 holds one bucket of full gradients at a time, not all of them",
                 "一旦下一个梯度放不进桶，就对这个桶做归约分散，再开始新桶：ZeRO-2 一次只持有一个桶的完整梯度，"
                 "而不是全部"),
+    # what passed
+    "passed": ("  {cases} gradient lists: one reduce-scatter (mean) per bucket, each issued as soon as its bucket was "
+               "complete; every rank's chunks equal one process's average, padding included",
+               "  {cases} 组梯度列表：每个桶一次归约分散（mean），每次都在桶一凑齐就立即发出；每个 rank 的分块都等于"
+               "单进程的平均值，填充部分也一样"),
 })
 
 
@@ -232,9 +239,8 @@ def check_zero2_reduce(fn: Callable[[RankContext, Iterator[torch.Tensor], int], 
             runs = run_checked(check, name, rank_fn, n, lambda r, w=where_case: f"{w}, rank {r}", _hint)
             for rank, run in enumerate(runs):
                 _judge(check, f"{where_case}, rank {rank}", n, rank, run, expected, buckets, grads[0])
-    print(f"All tests in {check} passed (world sizes {', '.join(map(str, sizes))})")
-    print(f"  {len(CASES)} gradient lists: one reduce-scatter (mean) per bucket, each issued as soon as its bucket "
-          "was complete; every rank's chunks equal one process's average, padding included")
+    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
+        T("passed", cases=len(CASES)))
 
 
 def _judge(check: str, where: str, n: int, rank: int, run: _Run, expected: list[list[torch.Tensor]],
