@@ -73,17 +73,18 @@ def test_world_sizes_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.startswith("All tests in check_all_reduce passed (world sizes 3, 5)\n")
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (averages, "rank 0's result is 2x too small: did you average"),
-    (keeps_padding, "shape differs: did you remove the padding?"),
-    (keeps_padding_then_reshapes, "the gathered tensor still has the padding"),
-    (never_pads, "pad it with zeros to a multiple of the world size"),
-    (uses_all_reduce, "build it from ctx.reduce_scatter and ctx.all_gather only"),
-    (returns_own_chunk, "use ctx.reduce_scatter (sum the chunks), then ctx.all_gather"),
-    (pads_by_rank, "every rank must pad to the same length"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (averages, "common.too_small", {"rank": 0, "n": 2}),
+    (keeps_padding, "common.padding_left", {}),
+    (keeps_padding_then_reshapes, "common.gathered_padding", {}),
+    (never_pads, "common.divisible", {}),
+    (uses_all_reduce, "collectives.only_rs_ag", {}),
+    (returns_own_chunk, "collectives.rs_then_ag", {}),
+    (pads_by_rank, "collectives.mismatch", {}),
 ])
-def test_planted_mistake_fails_with_hint(fn: object, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    out = fails(check_all_reduce, fn, world_sizes=(1, 2, 3), hint=hint, capsys=capsys)  # all show by N = 2
+def test_planted_mistake_fails_with_hint(fn: object, says: str, fields: dict,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    out = fails(check_all_reduce, fn, world_sizes=(1, 2, 3), says=says, fields=fields, capsys=capsys)  # all by N = 2
     assert "check_all_reduce FAILED at world size" in out
 
 
@@ -191,14 +192,15 @@ def ring_whole_tensor(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (ring_reduce_scatter_only, "too few messages: after the N - 1 reduce-scatter steps"),
-    (ring_mirrored, "in a ring, rank r sends only to its right neighbour (r + 1) % N (here 1)"),
-    (ring_whole_tensor, "each step sends one chunk (padded numel / N elements), not the whole tensor"),
-    (uses_all_reduce, "build it from ctx.group.send and ctx.group.recv only"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (ring_reduce_scatter_only, "collectives.too_few", {}),
+    (ring_mirrored, "collectives.neighbours", {"right": 1}),
+    (ring_whole_tensor, "collectives.one_chunk_per_step", {}),
+    (uses_all_reduce, "collectives.only_send_recv", {}),
 ])
-def test_ring_planted_mistake_fails_with_hint(fn: object, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    out = fails(check_ring_all_reduce, fn, world_sizes=(1, 3), hint=hint, capsys=capsys)
+def test_ring_planted_mistake_fails_with_hint(fn: object, says: str, fields: dict,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = fails(check_ring_all_reduce, fn, world_sizes=(1, 3), says=says, fields=fields, capsys=capsys)
     assert "check_ring_all_reduce FAILED at world size" in out
 
 
@@ -222,12 +224,9 @@ def test_ring_stub_and_a_send_that_is_never_received(capsys: pytest.CaptureFixtu
     from fsdp_course.classroom.checks import _common
 
     monkeypatch.setattr(_common, "CHECK_TIMEOUT", 2.0)  # read by run_checked at each call
-    with pytest.raises(AssertionError):
-        check_ring_all_reduce(sends_only, world_sizes=(2,))
-    out = capsys.readouterr().out
+    out = fails(check_ring_all_reduce, sends_only, world_sizes=(2,), says="collectives.unmatched", capsys=capsys)
     assert "rank 1 raised CollectiveHang: rank 1: recv from rank 0 (reduce-scatter step 1 of 1, tag 99, 1 elements) " \
         "failed: rank(s) 0 ended without posting the matching send or recv" in out
-    assert "hint: a rank finished while another still waited in a send or recv with it" in out
 
 
 # -- the ring: mistakes named by chunk, the caller's input, the deadlock ------------------------------
@@ -307,14 +306,13 @@ def ring_all_gather_sends_unfinished_chunks(ctx: RankContext, tensor: torch.Tens
 
 def test_ring_all_gather_of_unfinished_chunks_is_named_beside_the_overwriting_recv(
         capsys: pytest.CaptureFixture[str]) -> None:
-    out = fails(check_ring_all_reduce, ring_all_gather_sends_unfinished_chunks, world_sizes=(2,),
-                hint="or the all-gather half sent chunks that were not finished", capsys=capsys)
-    assert "rank r holds the whole sum of chunk (r + 1) % N" in out
+    fails(check_ring_all_reduce, ring_all_gather_sends_unfinished_chunks, world_sizes=(2,),
+          says="collectives.or_unfinished", fields={"missing": "collectives.missing"}, capsys=capsys)
 
 
 def test_ring_recv_that_overwrites_names_the_missing_contributions(capsys: pytest.CaptureFixture[str]) -> None:
     out = fails(check_ring_all_reduce, ring_recv_overwrites, world_sizes=(3,),
-                hint="contributions are missing from a chunk: a recv overwrites its tensor", capsys=capsys)
+                says="collectives.missing", capsys=capsys)
     assert "on rank 0: chunk 0 (flat elements 0..4) is missing ranks 1, 2's contribution (it holds only rank 0's)" \
         in out
     assert "on rank 0: chunk 2 (flat elements 10..12) is missing ranks 0, 1's contribution" in out
@@ -323,8 +321,7 @@ def test_ring_recv_that_overwrites_names_the_missing_contributions(capsys: pytes
 
 def test_ring_wrong_gather_index_names_the_chunk_it_holds(capsys: pytest.CaptureFixture[str]) -> None:
     out = fails(check_ring_all_reduce, ring_wrong_gather_index, world_sizes=(3,),
-                hint="chunk 1 holds chunk 2's values: an index is off, most likely in the all-gather half",
-                capsys=capsys)
+                says="collectives.chunk_moved", fields={"k": 1, "m": 2}, capsys=capsys)
     assert "on rank 0: chunk 0 (flat elements 0..4) is missing ranks 1, 2's contribution (it holds only rank 0's)" \
         in out  # never received: still rank 0's own values
     assert "on rank 0: chunk 1 (flat elements 5..9) holds chunk 2's values (rank 2's values of chunk 2)" in out
@@ -332,8 +329,8 @@ def test_ring_wrong_gather_index_names_the_chunk_it_holds(capsys: pytest.Capture
 
 
 def test_ring_that_changes_the_callers_tensor_fails(capsys: pytest.CaptureFixture[str]) -> None:
-    out = fails(check_ring_all_reduce, ring_in_place, world_sizes=(1, 3),
-                hint="an all-reduce returns the sum and leaves the caller's tensor as it was", capsys=capsys)
+    out = fails(check_ring_all_reduce, ring_in_place, world_sizes=(1, 3), says="collectives.work_on_copy",
+                capsys=capsys)
     assert "FAILED at world size 3, input shape (3, 5)" in out  # 15 elements: no padding, views of the input
     assert "rank 0's result is right, but your function changed the tensor it was given" in out
 
@@ -343,8 +340,7 @@ def test_all_reduce_that_changes_the_callers_tensor_fails(capsys: pytest.Capture
         result = _solution("my_all_reduce")(ctx, tensor.clone())
         return tensor.copy_(result)  # returns the caller's tensor, overwritten
 
-    fails(check_all_reduce, adds_into_input, world_sizes=(2,),
-          hint="an all-reduce returns the sum and leaves the caller's tensor as it was", capsys=capsys)
+    fails(check_all_reduce, adds_into_input, world_sizes=(2,), says="collectives.work_on_copy", capsys=capsys)
 
 
 def test_ring_deadlock_names_the_send_and_the_step(capsys: pytest.CaptureFixture[str],
@@ -355,7 +351,7 @@ def test_ring_deadlock_names_the_send_and_the_step(capsys: pytest.CaptureFixture
     # its send by then, which a loaded machine can take seconds to do
     monkeypatch.setattr(_common, "CHECK_TIMEOUT", 15.0)
     out = fails(check_ring_all_reduce, ring_send_waits_first, world_sizes=(3,),
-                hint="every rank waited for its send to finish before posting its recv", capsys=capsys)
+                says="collectives.deadlock", capsys=capsys)
     assert ("deadlock: every rank waits in send while no rank receives (rank r waits in send to rank (r + 1) % N, "
             "its right neighbour, at reduce-scatter step 1 of 2; a send completes only once its peer posts the "
             "matching recv)") in out

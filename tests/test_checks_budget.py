@@ -144,55 +144,59 @@ def test_references_pass(capsys: pytest.CaptureFixture[str]) -> None:
     assert "N = 3: 12 collectives, 24 ring steps" in out
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (no_optimizer, "you forgot the optimizer's state: Adam keeps two fp32 moments, 8 bytes per parameter"),
-    (adam_four_bytes, "8 bytes per parameter, not 4"),
-    (offload_on_device, "you counted the offloaded state against the device"),
-    (offload_keeps_shards, "you kept the sharded parameters and gradients (8Ψ/N) on the device"),
-    (no_gathered_unit, "the largest unit's full parameters and its full gradient are on the device too"),
-    (elements, "those are elements, not bytes"),
-    (never_shards, "shards some states over the N ranks: divide what it shards by N"),
-    (floor_division, "rounded down: Psi / N need not be whole, so divide with /, not //"),
-    (stage_off_by_one, "that is ZeRO-3's peak, not ZeRO-2's"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (no_optimizer, "budget.forgot_moments", {}),
+    (adam_four_bytes, "budget.adam_two_tensors", {}),
+    (offload_on_device, "budget.offload_counted", {}),
+    (offload_keeps_shards, "budget.kept_on_device", {"what": "budget.kept_params_grads"}),
+    (no_gathered_unit, "budget.gathers_one_unit", {}),
+    (elements, "budget.elements", {}),
+    (never_shards, "budget.divide_by_n", {}),
+    (floor_division, "budget.rounded", {"direction": "budget.down"}),
+    (stage_off_by_one, "budget.neighbour_peak", {"other": "ZeRO-3", "stage": "ZeRO-2"}),
 ])
-def test_device_peak_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_device_peak, fn, hint=hint, capsys=capsys)
+def test_device_peak_mistakes_are_named(fn: Callable, says: str, fields: dict,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_device_peak, fn, says=says, fields=fields, capsys=capsys)
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (smallest_with(no_optimizer), "you forgot the optimizer's state"),
-    (smallest_with(offload_on_device), "you counted the offloaded state against the device"),
-    (smallest_with(no_gathered_unit), "ZeRO-3 also holds the largest unit gathered with its gradient"),
-    (smallest_off_by_one, "try N = 1, 2, 3"),
-    (smallest_strictly_below, "a boundary case: at N = 4 the device needs exactly 2,631,680 B, the whole capacity"),
-    (smallest_never_tries_64, "N = 64 fits, and your search never tried it: range(1, 64) stops at 63"),
-    (smallest_past_64, "the search is N = 1 to 64: when none of them fits, return None (you went on to N = 65)"),
-    (smallest_calling(offload_keeps_shards), "your device_peak gives 4,737,024 B at N = 1, the formula 526,336 B: fix "
-                                             "device_peak first"),
-    (smallest_calling(no_optimizer), "your device_peak gives 4,737,024 B at N = 1, the formula 8,947,712 B"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (smallest_with(no_optimizer), "budget.forgot_optimizer", {}),
+    (smallest_with(offload_on_device), "budget.offload_counted_search", {}),
+    (smallest_with(no_gathered_unit), "budget.holds_gathered_unit", {}),
+    (smallest_off_by_one, "budget.try_each", {}),
+    (smallest_strictly_below, "budget.boundary", {"n": 4, "capacity": 2_631_680}),
+    (smallest_never_tries_64, "budget.never_tried", {"top": 64, "last": 63}),
+    (smallest_past_64, "budget.past_search", {"top": 64, "got": 65}),
+    (smallest_calling(offload_keeps_shards), "budget.blame_device_peak", {"got": 4_737_024, "n": 1,
+                                                                          "expected": 526_336}),
+    (smallest_calling(no_optimizer), "budget.blame_device_peak", {"got": 4_737_024, "n": 1, "expected": 8_947_712}),
 ])
-def test_smallest_world_size_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_smallest_world_size, fn, hint=hint, capsys=capsys)
+def test_smallest_world_size_mistakes_are_named(fn: Callable, says: str, fields: dict,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_smallest_world_size, fn, says=says, fields=fields, capsys=capsys)
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (ring_n, "a ring sends (N - 1)/N of the payload per rank"),
-    (ring_elements, "those are elements, not bytes"),
-    (ring_two_passes, "ZeRO-3 moves 3 Psi (N-1)/N"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (ring_n, "budget.ring_n_minus_1", {}),
+    (ring_elements, "budget.elements", {}),
+    (ring_two_passes, "budget.two_or_three_passes", {}),
 ])
-def test_bytes_sent_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_bytes_sent, fn, hint=hint, capsys=capsys)
+def test_bytes_sent_mistakes_are_named(fn: Callable, says: str, fields: dict,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_bytes_sent, fn, says=says, fields=fields, capsys=capsys)
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (comm_n_steps, "use N - 1 where you used N"),
-    (comm_alpha_once, "the latency term is (N-1)x too small (3x here)"),
-    (comm_whole_payload, "the bandwidth term is units x too large (8x here): one unit's payload is 4Ψ/units bytes"),
-    (comm_one_collective, "each unit is its own collective"),
-    (comm_two_collectives, "ZeRO-3 runs three collectives per unit and step"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (comm_n_steps, "budget.ring_steps", {}),
+    (comm_alpha_once, "budget.latency", {"k": 3}),
+    (comm_whole_payload, "budget.bandwidth", {"units": 8}),
+    (comm_one_collective, "budget.own_collective", {}),
+    (comm_two_collectives, "budget.three_collectives", {}),
 ])
-def test_comm_seconds_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_comm_seconds, fn, hint=hint, capsys=capsys)
+def test_comm_seconds_mistakes_are_named(fn: Callable, says: str, fields: dict,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_comm_seconds, fn, says=says, fields=fields, capsys=capsys)
 
 
 def test_the_loop_is_not_blamed_for_a_right_device_peak(capsys: pytest.CaptureFixture[str]) -> None:
@@ -206,7 +210,7 @@ def test_the_run_catches_what_the_formula_cases_do_not(capsys: pytest.CaptureFix
     def low_for_small_models(psi, n, stage, offload, unit):
         return REF(psi, n, stage, offload, unit) / (2 if psi < 10_000 * 2 and psi != 10_000 else 1)
 
-    out = fails(check_device_peak, low_for_small_models, hint="your prediction is too low", capsys=capsys)
+    out = fails(check_device_peak, low_for_small_models, says="budget.prediction_low", capsys=capsys)
     assert "the run ran out of device memory" in out and "Tried to allocate" in out
     assert not run_with_budget(3, False, RUN_CAPACITY)[0]["fits"] and run_with_budget(4, False, RUN_CAPACITY)[0]["fits"]
 

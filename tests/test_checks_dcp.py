@@ -12,6 +12,7 @@ from reference_solutions import fails, load, passes
 
 from fsdp_course.classroom.checks import check_dim0_chunks
 from fsdp_course.fsdp import dcp
+from fsdp_course.i18n.messages import Message
 
 CHECKPOINTS = load("19_checkpoints")
 
@@ -96,40 +97,37 @@ def test_the_course_s_own_cut_passes(capsys: pytest.CaptureFixture[str]) -> None
     passes(check_dim0_chunks, dcp.dim0_chunks, capsys=capsys)
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (floor_rows, "rows per rank are ceil(d0 / N) = ceil(17 / 2) = 9, as torch.chunk takes them"),
-    (tensor_split, "rows per rank are ceil(d0 / N) = ceil(17 / 4) = 5"),
-    (plain_chunk, "torch.chunk(p, N, dim=0) returns fewer than N chunks when the first dimension is short: "
-                  "'fc.weight' has d0 = 3 rows; over 4 ranks c = ceil(3 / 4) = 1 rows each, so torch.chunk gives 3 "
-                  "chunks and rank 3 none"),
-    (flattened, "keep the rows' shape: (17, *shape[1:]), not a flat run of elements"),
-    (ignores_offset, "these are flat elements 0-11: you ignored info.offset: 'fc.weight' starts at flat element 68, "
-                     "and this rank's rows of it are flat elements 68-79"),
-    (views, "return a copy (.clone()): a view keeps the whole gathered unit alive"),
-    (returns_dict, "returned dict, not a list of tensors"),
-    (with_padding, "returned 4 tensors for 3 parameters"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (floor_rows, "dcp.ceil_rows", {"d0": 17, "n": 2, "rows": 9}),
+    (tensor_split, "dcp.ceil_rows", {"d0": 17, "n": 4, "rows": 5}),
+    (plain_chunk, "dcp.fewer_chunks", {"name": "fc.weight", "d0": 3, "n": 4, "c": 1,
+                                       "chunks": Message("dcp.chunks", {"k": 3}), "rank": 3}),
+    (flattened, "dcp.keep_rows", {"rows": 17}),
+    (ignores_offset, "dcp.ignored_offset", {"first": 0, "last": 11, "name": "fc.weight", "offset": 68, "start": 68,
+                                            "end": 79}),
+    (views, "dcp.copy", {}),
+    (returns_dict, "dcp.not_list", {"kind": "dict"}),
+    (with_padding, "dcp.count", {"got": 4, "expected": 3}),
 ])
-def test_planted_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_dim0_chunks, fn, hint=hint, capsys=capsys)
+def test_planted_mistakes_are_named(fn: Callable, says: str, fields: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_dim0_chunks, fn, says=says, fields=fields, capsys=capsys)
 
 
 def test_flat_shard_pieces_are_named(capsys: pytest.CaptureFixture[str]) -> None:
     # at one rank a flat piece is the whole parameter, flattened (the shape hint); from two ranks on it is no row cut
-    fails(check_dim0_chunks, flat_pieces, hint="keep the rows' shape: (17, *shape[1:])", capsys=capsys)
-    fails(check_dim0_chunks, flat_pieces, world_sizes=(2, 3), capsys=capsys,
-          hint="cut each parameter on dim 0 (rows), as fully_shard's Shard(0) does, not its flat elements")
+    fails(check_dim0_chunks, flat_pieces, says="dcp.keep_rows", fields={"rows": 17}, capsys=capsys)
+    fails(check_dim0_chunks, flat_pieces, world_sizes=(2, 3), says="dcp.dim0", capsys=capsys)
 
 
 def test_a_flat_shard_instead_of_rows_is_named(capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_dim0_chunks, flat_shard_first, world_sizes=(2,), capsys=capsys,
-          hint="If you cut flat into N equal pieces first and read from this rank's piece: that is FSDP's flat shard")
+    fails(check_dim0_chunks, flat_shard_first, world_sizes=(2,), says="dcp.flat_shard", capsys=capsys)
 
 
 def test_where_it_failed_is_named(capsys: pytest.CaptureFixture[str]) -> None:
-    out = fails(check_dim0_chunks, plain_chunk, hint="returns fewer than N chunks", capsys=capsys)
+    out = fails(check_dim0_chunks, plain_chunk, says="dcp.fewer_chunks", capsys=capsys)
     assert "FAILED at world size 4, rank 3, unit 'embedding and head'" in out, out  # fc's 3 rows on 4 ranks
-    out = fails(check_dim0_chunks, ignores_offset, hint="'fc.weight' (3, 4): the chunk holds other values",
-                capsys=capsys)
+    out = fails(check_dim0_chunks, ignores_offset, says="dcp.other_values",
+                fields={"name": "fc.weight", "shape": (3, 4)}, capsys=capsys)
     assert "FAILED at world size 1, rank 0, unit 'embedding and head'" in out, out
 
 
@@ -140,9 +138,9 @@ def test_the_short_parameter_named_is_the_failing_one(capsys: pytest.CaptureFixt
     units = dict(checks_dcp.UNITS)
     try:
         del checks_dcp.UNITS["embedding and head"]
-        out = fails(check_dim0_chunks, plain_chunk, capsys=capsys,
-                    hint="'gate' has d0 = 2 rows; over 3 ranks c = ceil(2 / 3) = 1 rows each, so torch.chunk gives 2 "
-                         "chunks and rank 2 none")
+        out = fails(check_dim0_chunks, plain_chunk, capsys=capsys, says="dcp.fewer_chunks",
+                    fields={"name": "gate", "d0": 2, "n": 3, "c": 1, "chunks": Message("dcp.chunks", {"k": 2}),
+                            "rank": 2})
     finally:
         checks_dcp.UNITS.clear()
         checks_dcp.UNITS.update(units)
@@ -154,7 +152,7 @@ def test_a_run_of_other_flat_elements_is_named(capsys: pytest.CaptureFixture[str
         return CHECKPOINTS["dim0_chunks"](layout, flat, (rank + 1) % world_size, world_size)
 
     fails(check_dim0_chunks, next_rank_rows, capsys=capsys, world_sizes=(3,),  # 17 rows: 6, 6, 5
-          hint="these are flat elements 24-47, this rank's rows of 'embedding.weight' are flat elements 0-23")
+          says="dcp.other_run", fields={"first": 24, "last": 47, "name": "embedding.weight", "start": 0, "end": 23})
 
 
 def test_the_stub_gives_one_short_not_implemented() -> None:

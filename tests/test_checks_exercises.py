@@ -27,6 +27,7 @@ from fsdp_course.classroom.checks import (
     check_train_step,
     check_zero_memory,
 )
+from fsdp_course.i18n.messages import Message
 
 # -- 02 DDP ------------------------------------------------------------------------------------------
 DDP = load("02_ddp")
@@ -52,14 +53,14 @@ def new_parameters(ctx: RankContext, model: nn.Module) -> None:
         setattr(model.get_submodule(module_name), attr, nn.Parameter(ctx.broadcast(p.detach().clone())))
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (no_broadcast, "rank 1's `0.weight` still holds its own initial values"),
-    (broadcast_from_1, "rank 0's `0.weight` differs"),
-    (averages_params, "that is the average of the ranks' values"),
-    (new_parameters, "copy into the existing parameters in place"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (no_broadcast, "ddp.own_values", {"rank": 1, "name": "0.weight"}),
+    (broadcast_from_1, "ddp.not_broadcast", {"rank": 0, "name": "0.weight"}),
+    (averages_params, "ddp.averaged", {}),
+    (new_parameters, "ddp.copy_in_place", {}),
 ])
-def test_broadcast_planted(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_broadcast_parameters, fn, world_sizes=(2,), hint=hint, capsys=capsys)
+def test_broadcast_planted(fn: Callable, says: str, fields: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_broadcast_parameters, fn, world_sizes=(2,), says=says, fields=fields, capsys=capsys)
 
 
 def sum_hooks(ctx: RankContext, model: nn.Module) -> None:
@@ -87,20 +88,21 @@ def test_ddp_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "every rank's gradients and parameters equal one process's" in out
 
 
-@pytest.mark.parametrize(("hooks", "hint"), [
-    (sum_hooks, "rank 0's gradient is 2x the one-process gradient: the hooks summed it"),
-    (no_hooks, "rank 0's gradient is its own slice's gradient, not averaged over the ranks"),
-    (twice_averaged, "rank 0's gradient is 2x too small: it was averaged twice"),
-    (returning_post_hook, "a post-accumulate-grad hook must return None"),
+@pytest.mark.parametrize(("hooks", "says", "fields"), [
+    (sum_hooks, "ddp.summed", {"rank": 0, "n": 2}),
+    (no_hooks, "ddp.own_slice", {"rank": 0}),
+    (twice_averaged, "ddp.averaged_twice", {"rank": 0, "n": 2}),
+    (returning_post_hook, "common.hook_returns", {}),
 ])
-def test_ddp_planted(hooks: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    out = fails(check_ddp, DDP["broadcast_parameters"], hooks, world_sizes=(1, 2), hint=hint, capsys=capsys)
+def test_ddp_planted(hooks: Callable, says: str, fields: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    out = fails(check_ddp, DDP["broadcast_parameters"], hooks, world_sizes=(1, 2), says=says, fields=fields,
+                capsys=capsys)
     assert "FAILED at world size" in out
 
 
 def test_ddp_without_broadcast_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     fails(check_ddp, no_broadcast, DDP["add_gradient_hooks"], world_sizes=(2,),
-           hint="(check_broadcast_parameters shows more)", capsys=capsys)
+           says="ddp.shows_more", fields={"hint": "ddp.own_values"}, capsys=capsys)
 
 
 def test_ddp_stub(capsys: pytest.CaptureFixture[str]) -> None:
@@ -146,16 +148,16 @@ def test_zero_memory_reference_passes(capsys: pytest.CaptureFixture[str]) -> Non
     assert "ZeRO-3/FSDP   4           2,720       2,724" in out
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (_scaled(optimizer=0.5), "Adam keeps two fp32 tensors per parameter"),
-    (_scaled(params=0.25, grads=0.25, optimizer=0.25), "those are elements, not bytes"),
-    (one_stage_ahead, "DDP does not shard the Adam state yet"),
-    (one_stage_behind, "ZeRO-1 shards the Adam state: each rank keeps 1/N of them"),
-    (bad_total, "total is params + grads + optimizer"),
-    (no_dict, "return a dict with the keys"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (_scaled(optimizer=0.5), "memory.adam_two", {}),
+    (_scaled(params=0.25, grads=0.25, optimizer=0.25), "memory.elements", {}),
+    (one_stage_ahead, "memory.not_yet", {"stage_name": "DDP", "what": "memory.adam_state"}),
+    (one_stage_behind, "memory.shards", {"stage_name": "ZeRO-1", "what": "memory.adam_state"}),
+    (bad_total, "memory.total", {}),
+    (no_dict, "memory.return_dict", {}),
 ])
-def test_zero_memory_planted(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_zero_memory, fn, hint=hint, capsys=capsys)
+def test_zero_memory_planted(fn: Callable, says: str, fields: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_zero_memory, fn, says=says, fields=fields, capsys=capsys)
 
 
 def test_zero_memory_stub() -> None:
@@ -212,20 +214,21 @@ def test_flat_param_reference_passes(capsys: pytest.CaptureFixture[str]) -> None
     assert "32 elements padded to 33, shards (0, 11), (11, 22), (22, 33)" in out
 
 
-@pytest.mark.parametrize(("index", "fn", "hint"), [
-    (0, no_padding, "no padding: 16 elements over 3 ranks: pad with zeros to the next multiple of 3"),
-    (0, pads_with_ones, "the padding must be zeros"),
-    (0, reversed_order, "right values, wrong order"),
-    (0, pads_a_whole_rank, "one rank holds everything, so there is nothing to pad: the flat tensor is the 16 elements"),
-    (1, article_range, "rank 2's shard has 4 elements, the others 6: this is the article's bug"),
-    (1, floor_range, "16 / 3 is not whole: shards have ceil(numel / N) = 6 elements"),
-    (2, copies, "tensor 0 is a copy, not a view of the flat buffer"),
-    (2, no_offset, "keep a running offset"),
+@pytest.mark.parametrize(("index", "fn", "says", "fields"), [
+    (0, no_padding, "flat_param.no_padding", {"hint": Message("flat_param.pad_to", {"numel": 16, "n": 3})}),
+    (0, pads_with_ones, "flat_param.padding_zeros", {}),
+    (0, reversed_order, "flat_param.wrong_order", {}),
+    (0, pads_a_whole_rank, "flat_param.one_rank", {"numel": 16}),
+    (1, article_range, "flat_param.article_bug", {"last": 2, "short": 4, "size": 6}),
+    (1, floor_range, "flat_param.not_whole", {"numel": 16, "n": 3, "shard": 6}),
+    (2, copies, "flat_param.copy", {"i": 0}),
+    (2, no_offset, "flat_param.running_offset", {}),
 ])
-def test_flat_param_planted(index: int, fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_flat_param_planted(index: int, fn: Callable, says: str, fields: dict,
+                            capsys: pytest.CaptureFixture[str]) -> None:
     fns = list(FLAT_FNS)
     fns[index] = fn
-    fails(check_flat_param, *fns, hint=hint, capsys=capsys)
+    fails(check_flat_param, *fns, says=says, fields=fields, capsys=capsys)
 
 
 def test_flat_param_stub() -> None:
@@ -301,19 +304,18 @@ def test_fsdp_unit_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "step 2 accumulated two backward passes in shard.grad; every forward made fresh views" in out
 
 
-@pytest.mark.parametrize(("cls", "hint"), [
-    (SummingUnit, "rank 0's gradient chunk is 2x too large: did you average over the world size"),
-    (NoPreBackward, "a unit's backward ran while its parameters were freed"),
-    (GathersIntoTheLeaf, "gather into self.full.data, not self.full"),
-    (KeepsGathered, "after its forward, unit 0 still holds its gathered parameters"),
-    (KeepsFullGrad, "after backward, unit 0's full gradient (self.full.grad) is still alive"),
-    (FullGradInShard, "self.shard.grad must have the shard's shape"),
-    (OverwritesGrad, "rank 0's gradient chunk is half of one process's after two backward passes: the second "
-                     "overwrote the first's gradient"),
-    (ViewsOnlyOnce, "make fresh views in every pre_forward"),
+@pytest.mark.parametrize(("cls", "says", "fields"), [
+    (SummingUnit, "fsdp_unit.too_large", {"rank": 0, "n": 2}),
+    (NoPreBackward, "fsdp_unit.freed_backward", {}),
+    (GathersIntoTheLeaf, "fsdp_unit.full_data", {}),
+    (KeepsGathered, "fsdp_unit.held_after_forward", {"k": 0}),
+    (KeepsFullGrad, "fsdp_unit.full_grad_alive", {"k": 0}),
+    (FullGradInShard, "fsdp_unit.grad_size", {}),
+    (OverwritesGrad, "fsdp_unit.half", {"rank": 0}),
+    (ViewsOnlyOnce, "fsdp_unit.fresh_views", {}),
 ])
-def test_fsdp_unit_planted(cls: type, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_fsdp_unit, cls, world_sizes=(2,), hint=hint, capsys=capsys)
+def test_fsdp_unit_planted(cls: type, says: str, fields: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_fsdp_unit, cls, world_sizes=(2,), says=says, fields=fields, capsys=capsys)
 
 
 def test_fsdp_unit_stub() -> None:
@@ -356,13 +358,16 @@ def test_checkpoint_reference_passes_in_threads(capsys: pytest.CaptureFixture[st
     passes(check_sharded_checkpoint, CKPT["save_sharded"], CKPT["load_sharded"], torchrun=False, capsys=capsys)
 
 
-@pytest.mark.parametrize(("save", "load_fn", "hint"), [
-    (CKPT["save_sharded"], load_any_world_size, "in load, raise (e.g. ValueError) on every rank"),
-    (save_without_barrier, CKPT["load_sharded"], "end save with ctx.barrier()"),
-    (CKPT["save_sharded"], load_as_double, "exp_avg.0: torch.float64 (377,), saved torch.float32 (377,)"),
+@pytest.mark.parametrize(("save", "load_fn", "says", "fields"), [
+    (CKPT["save_sharded"], load_any_world_size, "checkpoint.refuse_world_size", {}),
+    (save_without_barrier, CKPT["load_sharded"], "checkpoint.end_with_barrier", {}),
+    (CKPT["save_sharded"], load_as_double, "checkpoint.dtype_shape",
+     {"name": "exp_avg.0", "got": "torch.float64 (377,)", "saved": "torch.float32 (377,)"}),
 ])
-def test_checkpoint_planted(save: Callable, load_fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_sharded_checkpoint, save, load_fn, world_sizes=(2,), torchrun=False, hint=hint, capsys=capsys)
+def test_checkpoint_planted(save: Callable, load_fn: Callable, says: str, fields: dict,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_sharded_checkpoint, save, load_fn, world_sizes=(2,), torchrun=False, says=says, fields=fields,
+          capsys=capsys)
 
 
 def load_with_outside_helper(ctx: RankContext, directory: str) -> dict[str, torch.Tensor]:
@@ -372,7 +377,7 @@ def load_with_outside_helper(ctx: RankContext, directory: str) -> dict[str, torc
 def test_checkpoint_loaded_by_torchrun_processes(capsys: pytest.CaptureFixture[str]) -> None:
     """The torchrun half: the load function runs by its source in two fresh processes (here it needs a helper)."""
     out = fails(check_sharded_checkpoint, CKPT["save_sharded"], load_with_outside_helper, world_sizes=(2,),
-                 hint="runs in a fresh process", capsys=capsys)
+                 says="checkpoint.fresh_process_helper", capsys=capsys)
     assert "FAILED at world size 2, loaded by torchrun" in out
     assert "NameError: name 'CKPT' is not defined" in out
 
@@ -420,19 +425,19 @@ def test_clip_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
     passes(check_clip_grad_norm, PIT["clip_grad_norm_sharded"], capsys=capsys)
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (clips_by_own_norm, "is rank 0's own shard's norm: the article's bug"),
-    (adds_norms, "norms do not add up"),
-    (mean_of_squares, "that is sqrt(mean of the squared norms)"),
-    (global_norm_no_scaling, "the shards were not scaled"),
-    (right_norm_own_scale, "rank 0 scaled by max_norm / its own norm"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (clips_by_own_norm, "pitfalls.own_norm", {"rank": 0}),
+    (adds_norms, "pitfalls.norms_add", {}),
+    (mean_of_squares, "pitfalls.sqrt_mean", {}),
+    (global_norm_no_scaling, "pitfalls.not_scaled", {}),
+    (right_norm_own_scale, "pitfalls.own_scale", {"rank": 0}),
 ])
-def test_clip_planted(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_clip_grad_norm, fn, world_sizes=(2,), hint=hint, capsys=capsys)
+def test_clip_planted(fn: Callable, says: str, fields: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_clip_grad_norm, fn, world_sizes=(2,), says=says, fields=fields, capsys=capsys)
 
 
 def test_clip_scaling_below_max_norm_is_caught(capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_clip_grad_norm, always_scales, world_sizes=(1,), hint="clip only when it exceeds it", capsys=capsys)
+    fails(check_clip_grad_norm, always_scales, world_sizes=(1,), says="pitfalls.below_max", capsys=capsys)
 
 
 def buggy_step(ctx: RankContext, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
@@ -474,11 +479,11 @@ def test_train_step_reference_passes(capsys: pytest.CaptureFixture[str]) -> None
     passes(check_train_step, PIT["train_step"], capsys=capsys)
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (buggy_step, "a rank made a collective that the others did not"),
-    (summing_step, "the parameters moved 2x as far as one process's at world size 2"),
-    (local_loss_step, "rank 0 returned its own slice's loss"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (buggy_step, "pitfalls.collective_on_rank0", {}),
+    (summing_step, "pitfalls.grads_summed", {"n": 2}),
+    (local_loss_step, "pitfalls.own_loss", {"rank": 0}),
 ])
-def test_train_step_planted(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    out = fails(check_train_step, fn, world_sizes=(1, 2), hint=hint, capsys=capsys)
+def test_train_step_planted(fn: Callable, says: str, fields: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    out = fails(check_train_step, fn, world_sizes=(1, 2), says=says, fields=fields, capsys=capsys)
     assert "world size 2, rank 0, step 1" in out

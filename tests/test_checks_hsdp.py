@@ -78,24 +78,23 @@ def test_reference_solution_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "meshes 2x3, 2x2, 1x4, 3x1" in out
 
 
-@pytest.mark.parametrize(("planted", "hint"), [
-    (all_reduce_sums, "2x too large (R = 2): the all-reduce summed the replicas"),
-    (reduce_scatter_sums, "3x too large (S = 3): the reduce-scatter summed the shard group"),
-    (both_sum, "6x too large (N = R x S = 6): both collectives summed"),
-    (groups_swapped, "both collectives ran in the wrong group (the two groups swapped): the reduce-scatter in "
-                     "mesh.replicate, the all-reduce in mesh.shard"),
-    (both_over_world, "both collectives ran in the wrong group: the reduce-scatter in the whole world (ctx), the "
-                      "all-reduce in the whole world (ctx)"),
-    (no_all_reduce, "replicas disagree: ranks 0 and 3 hold shard 0 but different values"),
-    (all_reduce_in_shard_group, "all-reduce over the wrong group: it ran in mesh.shard"),
-    (all_reduce_over_world, "all-reduce over the wrong group: it ran over the whole world"),
-    (reduce_scatter_over_world, "reduce_scatter ran over the whole world (ctx)"),
-    (all_reduce_first, "the whole gradient crosses the slow link, 3x HSDP's inter-group bytes"),
-    (returns_whole_gradient, "returned shape (12,), expected (4,)"),
+@pytest.mark.parametrize(("planted", "says", "fields"), [
+    (all_reduce_sums, "hsdp.replicas_summed", {"n": 2}),
+    (reduce_scatter_sums, "hsdp.shards_summed", {"n": 3}),
+    (both_sum, "hsdp.all_summed", {"n": 6}),
+    (groups_swapped, "hsdp.both_wrong", {"swapped": "hsdp.swapped", "scatter_in": "mesh.replicate",
+                                         "reduce_in": "mesh.shard"}),
+    (both_over_world, "hsdp.both_wrong", {"swapped": "", "scatter_in": "hsdp.world", "reduce_in": "hsdp.world"}),
+    (no_all_reduce, "hsdp.replicas_disagree", {"first": 0, "rank": 3, "s": 0}),
+    (all_reduce_in_shard_group, "hsdp.all_reduce_shard", {}),
+    (all_reduce_over_world, "hsdp.all_reduce_world", {}),
+    (reduce_scatter_over_world, "hsdp.ran_over_world", {"ops": "reduce_scatter"}),
+    (all_reduce_first, "hsdp.whole_gradient", {"factor": 3}),
+    (returns_whole_gradient, "hsdp.shape", {"got": (12,), "expected": (4,)}),
 ])
-def test_planted_mistakes_are_named(planted: Callable[..., torch.Tensor], hint: str,
+def test_planted_mistakes_are_named(planted: Callable[..., torch.Tensor], says: str, fields: dict,
                                     capsys: pytest.CaptureFixture[str]) -> None:
-    out = fails(check_hsdp_grad, planted, hint=hint, capsys=capsys)
+    out = fails(check_hsdp_grad, planted, says=says, fields=fields, capsys=capsys)
     assert "mesh replicate=2, shard=3" in out  # the first mesh, where R, S and N differ
 
 

@@ -166,27 +166,27 @@ def test_the_reference_solutions_pass(capsys: pytest.CaptureFixture[str]) -> Non
     passes(check_lora_linear, LibraryLoRALinear, capsys=capsys, world_sizes=(2,))
 
 
-@pytest.mark.parametrize("planted, hint", [
-    (RandomB, "B must start at zero"),
-    (BothZero, "with A and B both zero"),
-    (SwappedInit, "A and B are swapped: B starts at zero"),
-    (InvertedScaling, "the scaling is inverted: the update is multiplied by 0.5 = rank / alpha"),
-    (Unscaled, "the update is not scaled: multiply B(A x) by alpha / rank (here 4 / 2 = 2)"),
-    (ScaledByAlpha, "the update is scaled by alpha: the scaling is alpha / rank (here 2, not 4)"),
-    (BaseNotFrozen, "the base's weight and bias still require grad"),
-    (BiasNotFrozen, "the base's bias still requires grad"),
-    (WeightKeptAside, "your forward does not go through self.base: it uses a weight kept aside, which FSDP would "
-                      "empty (sharded away)"),
-    (CopyKeptAside, "it uses a weight and bias kept aside"),
-    (BiasKeptAside, "it uses a bias kept aside"),
-    (TransposedA, "A maps the input down to `rank` values: (rank, in_features)"),
-    (PlainTensors, "make self.lora_A = nn.Parameter(...)"),
-    (CopiedBase, "keep the Linear you were given as self.base"),
-    (DetachedUpdate, "use self.lora_A in forward, on the path to the output"),
-    (ReinitializedBase, "never re-initialize them"),
+@pytest.mark.parametrize("planted, says, fields", [
+    (RandomB, "lora.b_zero", {}),
+    (BothZero, "lora.both_zero", {}),
+    (SwappedInit, "lora.swapped", {}),
+    (InvertedScaling, "lora.inverted", {"inverse": 0.5}),
+    (Unscaled, "lora.not_scaled", {"alpha": 4, "rank": 2, "scaling": 2}),
+    (ScaledByAlpha, "lora.scaled_by_alpha", {"scaling": 2, "alpha": 4}),
+    (BaseNotFrozen, "lora.base_trainable_two", {"first": "weight", "last": "bias"}),
+    (BiasNotFrozen, "lora.base_trainable_one", {"name": "bias"}),
+    (WeightKeptAside, "lora.kept_one", {"name": "weight"}),
+    (CopyKeptAside, "lora.kept_both", {}),
+    (BiasKeptAside, "lora.kept_one", {"name": "bias"}),
+    (TransposedA, "lora.shapes", {}),
+    (PlainTensors, "lora.make_param", {"name": "lora_A"}),
+    (CopiedBase, "lora.keep_base", {}),
+    (DetachedUpdate, "lora.use_in_forward", {"label": "lora_A"}),
+    (ReinitializedBase, "lora.leave_weights", {}),
 ])
-def test_planted_mistakes_fail_with_their_hint(planted: type, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_lora_linear, planted, hint=hint, capsys=capsys, world_sizes=(2,))
+def test_planted_mistakes_fail_with_their_hint(planted: type, says: str, fields: dict,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_lora_linear, planted, says=says, fields=fields, capsys=capsys, world_sizes=(2,))
 
 
 def test_a_weight_kept_aside_passes_every_other_stage() -> None:

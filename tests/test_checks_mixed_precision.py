@@ -122,25 +122,23 @@ def test_found_inf_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.startswith("All tests in check_found_inf passed (world sizes 1, 2, 3, 4)")
 
 
-@pytest.mark.parametrize(("fn", "world_sizes", "where", "hint"), [
-    (decides_alone, (1, 2), "world size 2, an inf on the last rank only",
-     "rank 0 would step while rank 1 skips: the decision was local. All-reduce the flag with op='max'"),
-    (misses_nan, (2,), "world size 2, a NaN on the last rank only", "torch.isinf misses NaN"),
+@pytest.mark.parametrize(("fn", "world_sizes", "where", "says", "fields"), [
+    (decides_alone, (1, 2), "world size 2, an inf on the last rank only", "mixed_precision.decision_local",
+     {"a": 0, "b": 1}),
+    (misses_nan, (2,), "world size 2, a NaN on the last rank only", "mixed_precision.nan_missed", {}),
     (reduces_only_when_found, (2,), "world size 2, an inf on the last rank only, rank 1",
-     "every rank must call the all-reduce, with its flag 0 or 1, whether or not it found an inf"),
-    (returns_the_flag_tensor, (1, 2), "world size 1, no inf or NaN, rank 0",
-     "return a Python bool, e.g. bool(flag.item())"),
-    (returns_the_count, (2,), "world size 2, no inf or NaN, rank 0", "return a Python bool, e.g. bool(flag.item())"),
-    (not_in_place, (2,), "world size 2, no inf or NaN, rank 0", "the shards were not unscaled: divide each one"),
-    (multiplies, (1,), "world size 1, no inf or NaN, rank 0", "multiplied by the scale"),
-    (checks_last_shard_only, (2,), "world size 2, an inf on every rank", "no rank found the inf in its own shards"),
-    (always_skips, (2,), "world size 2, no inf or NaN", "with every shard finite, return False"),
-    (divides_only_when_clean, (2,), "world size 2, an inf on every rank, rank 0",
-     "the shards were left scaled because an inf was found"),
+     "mixed_precision.all_reduce_under_if", {}),
+    (returns_the_flag_tensor, (1, 2), "world size 1, no inf or NaN, rank 0", "mixed_precision.return_bool", {}),
+    (returns_the_count, (2,), "world size 2, no inf or NaN, rank 0", "mixed_precision.return_bool", {}),
+    (not_in_place, (2,), "world size 2, no inf or NaN, rank 0", "mixed_precision.not_unscaled", {}),
+    (multiplies, (1,), "world size 1, no inf or NaN, rank 0", "mixed_precision.multiplied", {}),
+    (checks_last_shard_only, (2,), "world size 2, an inf on every rank", "mixed_precision.no_rank_found", {}),
+    (always_skips, (2,), "world size 2, no inf or NaN", "mixed_precision.finite_false", {}),
+    (divides_only_when_clean, (2,), "world size 2, an inf on every rank, rank 0", "mixed_precision.left_scaled", {}),
 ])
-def test_found_inf_planted(fn: Callable, world_sizes: tuple[int, ...], where: str, hint: str,
+def test_found_inf_planted(fn: Callable, world_sizes: tuple[int, ...], where: str, says: str, fields: dict,
                            capsys: pytest.CaptureFixture[str]) -> None:
-    out = fails(check_found_inf, fn, world_sizes=world_sizes, hint=hint, capsys=capsys)
+    out = fails(check_found_inf, fn, world_sizes=world_sizes, says=says, fields=fields, capsys=capsys)
     assert f"check_found_inf FAILED at {where}\n" in out, out
 
 
@@ -195,13 +193,14 @@ def test_update_scale_reference_passes(capsys: pytest.CaptureFixture[str]) -> No
     assert capsys.readouterr().out.startswith("All tests in check_update_scale passed (15 steps against torch.")
 
 
-@pytest.mark.parametrize(("fn", "where", "hint"), [
-    (grows_one_step_late, "step 3 ", "which reaches growth_interval: the scale doubles now. Count this step first"),
-    (keeps_count_on_skip, "step 5 ", "after a skipped step the count of clean steps starts again from 0"),
-    (keeps_count_on_growth, "step 3 ", "when the scale grows, the count of clean steps starts again from 0"),
-    (never_backs_off, "step 5 ", "multiplied by backoff_factor = 0.5"),
-    (returns_scale_only, "step 1 ", "return (new_scale, new_clean_steps)"),
+@pytest.mark.parametrize(("fn", "where", "says", "fields"), [
+    (grows_one_step_late, "step 3 ", "mixed_precision.double_now", {"n": 3}),
+    (keeps_count_on_skip, "step 5 ", "mixed_precision.reset_after_skip", {}),
+    (keeps_count_on_growth, "step 3 ", "mixed_precision.reset_after_growth", {}),
+    (never_backs_off, "step 5 ", "mixed_precision.backoff", {}),
+    (returns_scale_only, "step 1 ", "mixed_precision.return_pair", {}),
 ])
-def test_update_scale_planted(fn: Callable, where: str, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    out = fails(check_update_scale, fn, hint=hint, capsys=capsys)
+def test_update_scale_planted(fn: Callable, where: str, says: str, fields: dict,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = fails(check_update_scale, fn, says=says, fields=fields, capsys=capsys)
     assert f"check_update_scale FAILED at {where}" in out, out

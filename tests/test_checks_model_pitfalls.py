@@ -107,38 +107,40 @@ def test_references_pass(capsys: pytest.CaptureFixture[str]) -> None:
     assert "FAILED" not in out
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (pooled_over_batch, "pooled over the batch dimension (dim 1 of (seq, batch, d)): logits (seq, classes)"),
-    (pooled_over_batch, "take the mean over the sequence, dim 0"),
-    (ids_cast_to_float, "token ids cast to float before the embedding"),
-    (embedding_cast_to_long, "a long (integer) tensor reached a Linear or the encoder"),
-    (no_transpose, "no transpose: the encoder read (batch, seq, d) as (seq, batch, d), so attention mixed the samples"),
-    (not_pooled, "not pooled: logits (seq, batch, classes), one row per token"),
-    (no_scale, "the embeddings were not multiplied by model.scale"),
-    (summed, "a sum over the sequence, not its mean"),
-    (calls_the_model, "called model(tokens)"),
-    (returns_nothing, "returned NoneType, not the logits"),
-    (changes_ids_in_place, "changed the tokens it was given: changed their values"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (pooled_over_batch, "model_pitfalls.pooled_batch", {}),
+    (pooled_over_batch, "model_pitfalls.mean_over_seq", {}),
+    (ids_cast_to_float, "model_pitfalls.ids_float", {}),
+    (embedding_cast_to_long, "model_pitfalls.long_reached", {}),
+    (no_transpose, "model_pitfalls.no_transpose", {}),
+    (not_pooled, "model_pitfalls.not_pooled_seq", {}),
+    (no_scale, "model_pitfalls.not_scaled", {}),
+    (summed, "model_pitfalls.summed", {}),
+    (calls_the_model, "model_pitfalls.called_model", {}),
+    (returns_nothing, "model_pitfalls.not_logits", {"kind": "NoneType"}),
+    (changes_ids_in_place, "model_pitfalls.changed_tokens", {"changed": "model_pitfalls.changed_values"}),
 ])
-def test_planted_forward_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_forward_logits, fn, hint=hint, capsys=capsys)
+def test_planted_forward_mistakes_are_named(fn: Callable, says: str, fields: dict,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_forward_logits, fn, says=says, fields=fields, capsys=capsys)
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (same_input, "every sample has the same input (32 copies of one row)"),
-    (arange_input, "every sample has the same input"),
-    (float_ids, "inputs are torch.float32: token ids must be integers (torch.long)"),
-    (batch_label, "every sample has the same label"),
-    (zero_d_label, "labels of shape (), expected (n,) = (32,)"),
-    (ids_out_of_range, "outside [0, 17)"),
-    (ignores_generator, "draw the ids from the generator you are given"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (same_input, "model_pitfalls.same_input", {"n": 32}),
+    (arange_input, "model_pitfalls.same_input", {}),
+    (float_ids, "model_pitfalls.inputs_dtype", {"dtype": "torch.float32"}),
+    (batch_label, "model_pitfalls.same_label", {}),
+    (zero_d_label, "model_pitfalls.labels_shape", {"got": (), "expected": (32,)}),
+    (ids_out_of_range, "model_pitfalls.ids_range", {"vocab": 17}),
+    (ignores_generator, "model_pitfalls.from_generator", {}),
 ])
-def test_planted_data_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_make_samples, fn, hint=hint, capsys=capsys)
+def test_planted_data_mistakes_are_named(fn: Callable, says: str, fields: dict,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_make_samples, fn, says=says, fields=fields, capsys=capsys)
 
 
 def test_the_failure_names_the_case(capsys: pytest.CaptureFixture[str]) -> None:
-    out = fails(check_forward_logits, pooled_over_batch, hint="pooled over the batch", capsys=capsys)
+    out = fails(check_forward_logits, pooled_over_batch, says="model_pitfalls.pooled_batch", capsys=capsys)
     assert "check_forward_logits FAILED at tokens of shape (batch 3, seq 5), 10 classes" in out
     assert "got      [" in out and "shape (5, 10)" in out
 

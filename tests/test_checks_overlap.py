@@ -112,23 +112,22 @@ def test_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "(world sizes 1, 2, 3)" in out
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (serial, "unit 1's all-gather started after unit 0's compute"),
-    (serial, "issue it before computing: ctx.all_gather(shards[1], async_op=True) before compute(0, ...)"),
-    (async_after_compute, "unit 1's all-gather started after unit 0's compute"),
-    (waits_at_once, "unit 1's all-gather had already been waited for (or run without async_op=True) when unit 0's "
-                    "compute started, so nothing overlaps"),
-    (synchronous_prefetch, "unit 1's all-gather had already been waited for (or run without async_op=True)"),
-    (everything_up_front, "unit 2's all-gather started before unit 0's compute: three units' parameters"),
-    (no_wait, "unit 0's parameters were used before its all-gather was waited for"),
-    (wrong_handle, "compute(0, ...) got unit 1's gathered parameters"),
-    (passes_the_work, "got the CollectiveWork itself"),
-    (off_by_one, "issue the next unit's all-gather only if i + 1 < len(shards)"),
-    (returns_nothing, "returned NoneType, not the output"),
-    (skips_the_last_unit, "compute was called for units [0, 1, 2], expected [0, 1, 2, 3]"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (serial, "overlap.started_after", {"next": 1, "i": 0}),
+    (serial, "overlap.issue_before", {"next": 1, "i": 0}),
+    (async_after_compute, "overlap.started_after", {"next": 1, "i": 0}),
+    (waits_at_once, "overlap.already_waited", {"next": 1, "i": 0}),
+    (synchronous_prefetch, "overlap.already_waited", {"next": 1}),
+    (everything_up_front, "overlap.three_units", {"ahead": 2, "i": 0}),
+    (no_wait, "overlap.used_before_wait", {"i": 0}),
+    (wrong_handle, "overlap.right_work", {}),  # compute(0, ...) got unit 1's gathered parameters
+    (passes_the_work, "overlap.wait_returns", {}),  # compute(0, ...) got the CollectiveWork itself
+    (off_by_one, "overlap.no_unit_after", {}),
+    (returns_nothing, "overlap.not_output", {"kind": "NoneType"}),
+    (skips_the_last_unit, "overlap.computed_units", {"computed": [0, 1, 2], "expected": [0, 1, 2, 3]}),
 ])
-def test_planted_mistakes_are_named(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_forward_prefetch, fn, world_sizes=(2,), hint=hint, capsys=capsys)
+def test_planted_mistakes_are_named(fn: Callable, says: str, fields: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_forward_prefetch, fn, world_sizes=(2,), says=says, fields=fields, capsys=capsys)
 
 
 @pytest.mark.parametrize(("fn", "problem"), [
@@ -144,7 +143,8 @@ def test_a_problem_seen_by_compute_names_the_rank_once(fn: Callable, problem: st
 
 
 def test_one_rank_is_checked_too(capsys: pytest.CaptureFixture[str]) -> None:
-    out = fails(check_forward_prefetch, serial, world_sizes=(1,), hint="started after unit 0's compute", capsys=capsys)
+    out = fails(check_forward_prefetch, serial, world_sizes=(1,), says="overlap.started_after", fields={"i": 0},
+                capsys=capsys)
     assert "FAILED at world size 1, rank 0" in out
 
 

@@ -101,25 +101,25 @@ def test_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "3 FSDP states; 5 all-gathers and 3 reduce-scatters per step under torchrun" in out
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (root_first, "fully_shard was applied in the order ['root', 'encoder.layers.0', 'encoder.layers.1']: the root "
-                 "before encoder.layers.0, encoder.layers.1"),
-    (no_root, "the model itself is not sharded: fully_shard was applied to ['encoder.layers.0', 'encoder.layers.1'] "
-              "only"),
-    (first_layer_only, "2 units (['encoder.layers.0', 'root']), expected 3: encoder.layers.1 not a unit of its own"),
-    (embeddings_too, "4 units, expected 3: ['embedding'] made units as well"),
-    (no_root_by_attribute, "the model itself is not sharded"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (root_first, "real_fsdp.root_first", {"calls": ["root", "encoder.layers.0", "encoder.layers.1"],
+                                          "after": "encoder.layers.0, encoder.layers.1"}),
+    (no_root, "real_fsdp.root_missing", {"units": ["encoder.layers.0", "encoder.layers.1"]}),
+    (first_layer_only, "real_fsdp.layer_missing", {"n": 2, "units": ["encoder.layers.0", "root"], "expected": 3,
+                                                   "missing": "encoder.layers.1"}),
+    (embeddings_too, "real_fsdp.extra_units", {"n": 4, "expected": 3, "extra": ["embedding"]}),
+    (no_root_by_attribute, "real_fsdp.root_missing", {}),
 ])
-def test_planted_in_this_process(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    out = fails(check_fully_shard_units, fn, hint=hint, capsys=capsys)
+def test_planted_in_this_process(fn: Callable, says: str, fields: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    out = fails(check_fully_shard_units, fn, says=says, fields=fields, capsys=capsys)
     assert "FAILED at fully_shard's calls, recorded in this process" in out
 
 
 UNDER_TORCHRUN = [
-    (no_root_by_private_path, "2 FSDP states under torchrun, expected 3"),
-    (bf16_unimported, "the function runs in fresh processes, where only torch, nn and fully_shard are imported"),
-    (root_resharded, "6 all-gathers per step, expected 5: the root once and every layer twice"),
-    (bf16, "differs from the course's FSDP's"),
+    (no_root_by_private_path, "real_fsdp.fsdp_states", {"got": 2, "expected": 3}),
+    (bf16_unimported, "real_fsdp.import_inside", {}),
+    (root_resharded, "real_fsdp.all_gathers", {"per_step": 6, "expected": 5}),
+    (bf16, "real_fsdp.loss_differs", {}),
 ]
 
 
@@ -127,14 +127,14 @@ def phase(out: Path) -> None:
     """In each process of the suite's "pair" launch (tests/phases.py): what the checker's own torchrun processes run
     (`run_in_process`, the source alone), for every planted function, one after another."""
     ctx = RankContext.from_env()
-    for fn, _ in UNDER_TORCHRUN:
+    for fn, *_ in UNDER_TORCHRUN:
         report = real_fsdp.run_in_process(textwrap.dedent(inspect.getsource(fn)), fn.__name__, ctx)
         (out / f"{fn.__name__}_rank{ctx.rank}.json").write_text(json.dumps(report))
     ctx.close()
 
 
-@pytest.mark.parametrize(("fn", "hint"), UNDER_TORCHRUN)
-def test_planted_under_torchrun(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize(("fn", "says", "fields"), UNDER_TORCHRUN)
+def test_planted_under_torchrun(fn: Callable, says: str, fields: dict, capsys: pytest.CaptureFixture[str],
                                 tmp_path_factory: pytest.TempPathFactory) -> None:
     out = launched(tmp_path_factory, "fully_shard_planted")
     runs = [json.loads((out / f"{fn.__name__}_rank{r}.json").read_text()) for r in range(real_fsdp.WORLD_SIZE)]
@@ -142,7 +142,7 @@ def test_planted_under_torchrun(fn: Callable, hint: str, capsys: pytest.CaptureF
     def check_fully_shard_units(fn: Callable) -> None:  # the checker, its launch replayed from the phase's runs
         real_fsdp._check(fn, lambda *_: runs)
 
-    out = fails(check_fully_shard_units, fn, hint=hint, capsys=capsys)
+    out = fails(check_fully_shard_units, fn, says=says, fields=fields, capsys=capsys)
     assert "FAILED at world size 2, torchrun" in out
 
 

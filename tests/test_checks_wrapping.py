@@ -84,20 +84,21 @@ def test_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "measured peak" in out and "within [0.9, 1]" in out
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (no_padding, "no padding"),
-    (no_root, "there is no 'root' unit"),
-    (root_counts_everything, "it counts parameters that belong to wrapped units"),
-    (outermost_wrapped, "the units differ: missing ['encoder.layers.0.norm1'"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (no_padding, "wrapping.no_padding", {}),
+    (no_root, "wrapping.no_root", {}),
+    (root_counts_everything, "wrapping.root_counts", {}),
+    (outermost_wrapped, "wrapping.units_differ", {"missing": ["encoder.layers.0.norm1", "encoder.layers.0.norm2",
+                                                              "encoder.layers.1.norm1", "encoder.layers.1.norm2"]}),
 ])
-def test_unit_numels_planted(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_unit_numels, fn, world_sizes=(3,), hint=hint, capsys=capsys)  # N = 3: the units need padding
+def test_unit_numels_planted(fn: Callable, says: str, fields: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_unit_numels, fn, world_sizes=(3,), says=says, fields=fields, capsys=capsys)  # N = 3: padding
 
 
 def test_one_rank_needs_no_padding_but_still_sees_the_root(capsys: pytest.CaptureFixture[str]) -> None:
     check_unit_numels(no_padding, world_sizes=(1,))
     capsys.readouterr()
-    fails(check_unit_numels, no_root, world_sizes=(1,), hint="there is no 'root' unit", capsys=capsys)
+    fails(check_unit_numels, no_root, world_sizes=(1,), says="wrapping.no_root", capsys=capsys)
 
 
 def test_the_nearest_wrapped_ancestor_owns_a_parameter(capsys: pytest.CaptureFixture[str]) -> None:
@@ -108,30 +109,32 @@ def test_the_nearest_wrapped_ancestor_owns_a_parameter(capsys: pytest.CaptureFix
     assert outermost_wrapped(model, nested, 2) != fsdp_unit_numels(model, nested, 2)
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (largest_without_root, "the largest unit ignores the root"),
-    (psi_without_root, "Ψ leaves out the root"),
-    (not_divided, "16Ψ is not divided by N"),
-    (no_gradient, "4 · largest: the gathered parameters without their gradient"),
-    (first_unit, "the first unit is not the largest"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (largest_without_root, "wrapping.why_root_not_largest", {}),
+    (psi_without_root, "wrapping.why_psi_no_root", {}),
+    (not_divided, "wrapping.why_not_divided", {}),
+    (no_gradient, "wrapping.why_four", {}),
+    (first_unit, "wrapping.why_first", {}),
 ])
-def test_predicted_peak_planted(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_predicted_peak, fn, wrap_policy, hint=hint, capsys=capsys)
+def test_predicted_peak_planted(fn: Callable, says: str, fields: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_predicted_peak, fn, wrap_policy, says=says, fields=fields, capsys=capsys)
 
 
-@pytest.mark.parametrize(("wrap", "hint"), [
-    ({nn.TransformerEncoderLayer}, "the largest unit is 'root' with 13194 elements, all that no wrapped module owns, "
-                                   "larger than one encoder layer (12704)"),
-    (None, "the largest unit is 'root' with 38602 elements"),
-    ({nn.Embedding}, "the largest unit is 'root'"),
+@pytest.mark.parametrize(("wrap", "says", "fields"), [
+    ({nn.TransformerEncoderLayer}, "wrapping.largest_unit", {"unit": "root", "numel": 13194,
+                                                             "root_note": "wrapping.root_note", "layer": 12704}),
+    (None, "wrapping.largest_unit", {"unit": "root", "numel": 38602}),
+    ({nn.Embedding}, "wrapping.largest_unit", {"unit": "root"}),
 ])
-def test_a_policy_that_leaves_a_large_unit_is_refused(wrap, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_predicted_peak, predicted_peak, lambda: wrap, world_sizes=(2,), hint=hint, capsys=capsys)
+def test_a_policy_that_leaves_a_large_unit_is_refused(wrap, says: str, fields: dict,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_predicted_peak, predicted_peak, lambda: wrap, world_sizes=(2,), says=says, fields=fields,
+          capsys=capsys)
 
 
 def test_a_policy_of_names_is_refused_by_fsdp(capsys: pytest.CaptureFixture[str]) -> None:
     fails(check_predicted_peak, predicted_peak, lambda: {"TransformerEncoderLayer"}, world_sizes=(2,), capsys=capsys,
-          hint="wrap_policy() returns a set of module classes")
+          says="wrapping.wrap_set")
 
 
 def test_a_prediction_below_the_measured_peak_is_caught(capsys: pytest.CaptureFixture[str]) -> None:
@@ -139,7 +142,7 @@ def test_a_prediction_below_the_measured_peak_is_caught(capsys: pytest.CaptureFi
     def low(numels, world_size):
         exact = predicted_peak(numels, world_size)
         return exact * 0.8 if world_size == 2 and len(numels) == 5 else exact
-    fails(check_predicted_peak, low, wrap_policy, world_sizes=(2,), hint="predicted_peak must be", capsys=capsys)
+    fails(check_predicted_peak, low, wrap_policy, world_sizes=(2,), says="wrapping.formula_units", capsys=capsys)
 
 
 def test_stubs_give_one_short_not_implemented() -> None:

@@ -16,6 +16,7 @@ from fsdp_course import RankContext, run_ranks
 from fsdp_course.classroom.checks import check_zero2_reduce
 from fsdp_course.classroom.checks.zero import CASES, cut_buckets, expected_chunks, rank_grads
 from fsdp_course.engines.zero import ZeRO2, bucket_parameters
+from fsdp_course.i18n.messages import Message
 
 ZERO = load("04_zero")
 
@@ -89,34 +90,34 @@ def test_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "one reduce-scatter (mean) per bucket" in out
 
 
-@pytest.mark.parametrize(("fn", "hint"), [
-    (summed, "rank 0's chunk is 2x the average: the gradients were summed"),
-    (never_flushed, "returned 3 chunks for 4 buckets: the last bucket (gradients 4 to 5) was never reduced"),
-    (wrong_rank, "bucket 0 (gradient 0): rank 0 kept rank 1's chunk of the averaged bucket"),
-    (every_gradient_alone, "every gradient was reduced alone: the ledger holds 6 reduce-scatters for 6 gradients, "
-                           "expected 4, one per bucket"),
-    (all_reduce_then_cut, "the ledger holds all_reduce besides the reduce-scatters"),
-    (held_until_the_end, "bucket 0 (gradient 0) was still not reduced when gradient 2 was asked for"),
-    (no_padding, "pad each bucket's flattened gradient with zeros to a multiple of ctx.world_size"),
-    (whole_bucket, "that is the whole bucket: reduce_scatter returns this rank's chunk"),
-    (one_big_bucket, "returned 1 chunk, expected 4: one per bucket"),
+@pytest.mark.parametrize(("fn", "says", "fields"), [
+    (summed, "zero.summed", {"rank": 0, "n": 2}),
+    (never_flushed, "zero.last_never", {"got": 3, "count": 4,
+                                        "span": Message("zero.span_many", {"first": 4, "last": 5})}),
+    (wrong_rank, "zero.other_chunk", {"label": Message("zero.bucket", {"b": 0}), "rank": 0, "other": 1}),
+    (every_gradient_alone, "zero.reduced_alone", {"scatters": 6, "grads": 6, "count": 4}),
+    (all_reduce_then_cut, "zero.other_ops", {"ops": "all_reduce"}),
+    (held_until_the_end, "zero.held", {"label": Message("zero.bucket", {"b": 0}), "k": 2}),
+    (no_padding, "zero.pad_bucket", {}),
+    (whole_bucket, "zero.whole_bucket", {}),
+    (one_big_bucket, "zero.chunk_count", {"chunks": Message("zero.chunk_one", {"n": 1}), "count": 4}),
 ])
-def test_planted(fn: Callable, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    out = fails(check_zero2_reduce, fn, world_sizes=(2,), hint=hint, capsys=capsys)
+def test_planted(fn: Callable, says: str, fields: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    out = fails(check_zero2_reduce, fn, world_sizes=(2,), says=says, fields=fields, capsys=capsys)
     assert "FAILED at world size 2, case 0" in out
 
 
 def test_three_ranks_pad_the_last_bucket_and_tell_the_rank(capsys: pytest.CaptureFixture[str]) -> None:
-    out = fails(check_zero2_reduce, wrong_rank, world_sizes=(3,), capsys=capsys,
-                hint="rank 0 kept rank 1's chunk of the averaged bucket")
+    out = fails(check_zero2_reduce, wrong_rank, world_sizes=(3,), capsys=capsys, says="zero.other_chunk",
+                fields={"rank": 0, "other": 1})
     assert "world size 3, case 0" in out
-    fails(check_zero2_reduce, summed, world_sizes=(3,), capsys=capsys, hint="3x the average")
+    fails(check_zero2_reduce, summed, world_sizes=(3,), capsys=capsys, says="zero.summed", fields={"n": 3})
 
 
 def test_one_rank_cannot_tell_a_sum_but_still_sees_the_buckets(capsys: pytest.CaptureFixture[str]) -> None:
     check_zero2_reduce(summed, world_sizes=(1,))  # one rank: the sum is the mean
     capsys.readouterr()
-    fails(check_zero2_reduce, never_flushed, world_sizes=(1,), capsys=capsys, hint="was never reduced")
+    fails(check_zero2_reduce, never_flushed, world_sizes=(1,), capsys=capsys, says="zero.last_never")
 
 
 def test_the_stub_gives_one_short_not_implemented() -> None:
