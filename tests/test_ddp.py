@@ -5,18 +5,18 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from equivalence import differing_replicas, standard_cases, standard_references
+from engine_cases import differing_replicas, standard_cases, standard_references
 from torch import nn
 
 from fsdp_course.engines.ddp import DDP
-from fsdp_course.engines.equivalence import ModuleTrainee, check_equivalence, digits_batches
+from fsdp_course.engines.equivalence import Trainee, check_equivalence, digits_batches
 from fsdp_course.memory import total_bytes, zero_formula
 from fsdp_course.models import MLP
 from fsdp_course.runtime.simulate import run_ranks
 
 
 def make_ddp(model, ctx, optimizer_factory):
-    return ModuleTrainee(DDP(model, ctx), optimizer_factory)
+    return Trainee(DDP(model, ctx), optimizer_factory)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

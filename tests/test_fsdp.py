@@ -6,7 +6,7 @@ elementwise under SGD and in global norm under AdamW, plus elementwise where the
 than rounding noise (Adam divides by the gradient's own scale, so a gradient that is mathematically
 zero, like attention's key bias, turns rounding noise into steps that differ from run to run, up to
 lr in size when the noise exceeds Adam's eps). The comparison is the package's equivalence harness
-(fsdp_course.engines.equivalence, with FSDPTrainee); failures name case, world size, step,
+(fsdp_course.engines.equivalence, with Trainee.fsdp); failures name case, world size, step,
 parameter, rank and difference.
 """
 
@@ -24,13 +24,13 @@ from fsdp_course.engines.equivalence import (
     ADAMW,
     SGD,
     Case,
-    FSDPTrainee,
     MakeTrainee,
+    Trainee,
     check_equivalence,
     digits_batches,
     full_tensor,
     local_slice,
-    run_reference,
+    one_process,
 )
 from fsdp_course.fsdp.api import FSDP, ShardedState, TrainingState
 from fsdp_course.memory import attach, total_bytes
@@ -70,7 +70,7 @@ def make_fsdp(wrap=AUTO, **fsdp_kwargs) -> MakeTrainee:
         units = wrap
         if wrap is AUTO:
             units = MODELS["mlp" if isinstance(model, MLP) else "transformer"][1]
-        return FSDPTrainee(FSDP(model, ctx, wrap=units, **fsdp_kwargs), optimizer_factory)
+        return Trainee.fsdp(FSDP(model, ctx, wrap=units, **fsdp_kwargs), optimizer_factory)
     return make
 
 
@@ -87,7 +87,7 @@ def grid():
         torch.manual_seed(0)
         base = make()
         cases += [case(kind, base, opt_name, batches_for(kind)) for opt_name in OPTIMIZERS]
-    return tuple(cases), tuple(run_reference(c) for c in cases)
+    return tuple(cases), tuple(one_process(c.model, c.batches, c.optimizer_factory) for c in cases)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

@@ -28,7 +28,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from equivalence import sliced_reference
 from phases import launched
 from torch import nn
 
@@ -36,11 +35,12 @@ from fsdp_course.engines.equivalence import (
     ADAMW,
     SGD,
     Case,
-    FSDPTrainee,
     Trace,
+    Trainee,
     check_equivalence,
     digits_batches,
     local_slice,
+    one_process,
 )
 from fsdp_course.fsdp.api import FSDP
 from fsdp_course.fsdp.policy import MixedPrecision
@@ -77,9 +77,9 @@ def cases(kinds: tuple[str, ...] = ("mlp", "transformer")) -> list[Case]:
 
 
 def hsdp(replicate: int, shard: int, **kwargs: Any):
-    def make(model: nn.Module, ctx: Any, optimizer_factory: Any) -> FSDPTrainee:
+    def make(model: nn.Module, ctx: Any, optimizer_factory: Any) -> Trainee:
         mesh = ctx.mesh(replicate=replicate, shard=shard)
-        return FSDPTrainee(FSDP(model, ctx, wrap=WRAP[type(model)], mesh=mesh, **kwargs), optimizer_factory)
+        return Trainee.fsdp(FSDP(model, ctx, wrap=WRAP[type(model)], mesh=mesh, **kwargs), optimizer_factory)
     return make
 
 
@@ -185,7 +185,7 @@ def test_the_replicate_all_reduce_is_needed() -> None:
         fsdp = FSDP(model, ctx, wrap={nn.Linear}, mesh=ctx.mesh(2, 2))
         for unit in fsdp.units:
             unit.replicate = None
-        return FSDPTrainee(fsdp, optimizer_factory)
+        return Trainee.fsdp(fsdp, optimizer_factory)
 
     with pytest.raises(AssertionError, match="averaged gradient"):
         check_equivalence(cases(("mlp",))[:1], make, 4, tol=TOL, timeout=60)
@@ -305,7 +305,8 @@ def test_no_sync_reduces_nothing_and_the_accumulated_step_equals_one_process() -
 def test_mixed_precision_bf16_equals_one_process_on_the_same_slices() -> None:
     chosen = cases(("mlp",))
     policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    references = [sliced_reference(c, 4, torch.bfloat16) for c in chosen]
+    references = [one_process(c.model, c.batches, c.optimizer_factory, slices=4, param_dtype=torch.bfloat16)
+                  for c in chosen]
     results = check_equivalence(chosen, hsdp(2, 2, mp_policy=policy, prefetch=1), 4, references=references,
                                 tol=TOL, timeout=60)
     for result in results.values():

@@ -31,11 +31,11 @@ from fsdp_course.engines.ddp import DDP
 from fsdp_course.engines.equivalence import (
     ADAMW,
     Case,
-    FSDPTrainee,
+    Trainee,
     check_equivalence,
     digits_batches,
     local_slice,
-    run_reference,
+    one_process,
 )
 from fsdp_course.fsdp.api import FSDP
 from fsdp_course.lora import LoRALinear, add_lora, lora_modules, merge_lora, remove_lora
@@ -206,19 +206,19 @@ def test_merge_and_remove_after_training() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the course's FSDP
-class RecordingTrainee(FSDPTrainee):
-    """FSDPTrainee with AdamW on the trainable shards only, a memory recorder, and, after every step: the bytes alive
-    by category, the step's peak (by category, as "peak_<category>"), which shards have optimizer state and .grad."""
+class RecordingTrainee(Trainee):
+    """`Trainee.fsdp` with a memory recorder, and, after every step: the bytes alive by category, the step's peak
+    (by category, as "peak_<category>"), which shards have optimizer state and .grad."""
 
-    def __init__(self, fsdp: FSDP, optimizer_factory: Any) -> None:
-        super().__init__(fsdp, lambda params: optimizer_factory([p for p in params if p.requires_grad]))
-        self.recorder = attach(fsdp, self.optimizer)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.recorder = attach(self.engine, self.optimizer)
 
     def memory(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(measure(self.fsdp, self.optimizer))
+        out: dict[str, Any] = dict(measure(self.engine, self.optimizer))
         out |= {f"peak_{k}": v for k, v in self.recorder.peak.items()}
         out["peak_total"], out["peak_label"] = self.recorder.peak_total, self.recorder.peak_label
-        shards = [h.shard for h in self.fsdp.handles]
+        shards = [h.shard for h in self.engine.handles]
         out["with_state"] = [bool(self.optimizer.state.get(s)) for s in shards]
         out["with_grad"] = [s.grad is not None for s in shards]
         out["trainable"] = [s.requires_grad for s in shards]
@@ -226,8 +226,9 @@ class RecordingTrainee(FSDPTrainee):
         return out
 
 
-def make_trainee(model: nn.Module, ctx: Any, optimizer_factory: Any) -> RecordingTrainee:
-    return RecordingTrainee(FSDP(model, ctx, wrap=WRAP), optimizer_factory)
+def make_trainee(model: nn.Module, ctx: Any, optimizer_factory: Any) -> Trainee:
+    return RecordingTrainee.fsdp(FSDP(model, ctx, wrap=WRAP),  # AdamW on the trainable shards only
+                                 lambda params: optimizer_factory([p for p in params if p.requires_grad]))
 
 
 @functools.cache
@@ -340,7 +341,7 @@ def torchrun_reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str,
 
 def test_fully_shard_fine_tunes_lora_as_ours_and_one_process_do(torchrun_reports: list[dict[str, Any]]) -> None:
     _, lora = models()
-    reference = run_reference(Case("lora", lora, ADAMW, batches(), "global_norm")).losses
+    reference = one_process(lora, batches(), ADAMW).losses
     for engine in ("ours", "torch"):
         mean = [sum(r[engine]["losses"][s] for r in torchrun_reports) / 2 for s in range(STEPS)]
         for step, (got, ref) in enumerate(zip(mean, reference, strict=True)):

@@ -14,17 +14,11 @@ import copy
 
 import pytest
 import torch
-from equivalence import sliced_reference, standard_cases, standard_references
+from engine_cases import standard_cases, standard_references
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_course.engines.equivalence import (
-    FSDPTrainee,
-    MixedPrecisionReference,
-    ModuleTrainee,
-    check_equivalence,
-    train,
-)
+from fsdp_course.engines.equivalence import Trainee, check_equivalence, one_process
 from fsdp_course.fsdp.api import FSDP
 from fsdp_course.fsdp.grad_scaler import ShardedGradScaler
 from fsdp_course.fsdp.policy import MixedPrecision
@@ -37,14 +31,13 @@ BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 def make(**kwargs):
     def build(model, ctx, optimizer_factory):
         wrap = {nn.Linear} if isinstance(model, MLP) else {nn.TransformerEncoderLayer}
-        return FSDPTrainee(FSDP(model, ctx, wrap=wrap, **kwargs), optimizer_factory)
+        return Trainee.fsdp(FSDP(model, ctx, wrap=wrap, **kwargs), optimizer_factory)
     return build
 
 
 def test_bf16_at_one_rank_is_bit_identical_to_one_process_under_the_policy():
     cases = standard_cases()
-    references = [train(ModuleTrainee(MixedPrecisionReference(copy.deepcopy(c.model), torch.bfloat16),
-                                      c.optimizer_factory), c.batches) for c in cases]
+    references = [one_process(c.model, c.batches, c.optimizer_factory, param_dtype=torch.bfloat16) for c in cases]
     results = check_equivalence(cases, make(mp_policy=BF16), 1, references=references, tol=0.0)
     assert all(v == 0.0 for r in results.values() for v in r.errors.values())
 
@@ -52,7 +45,8 @@ def test_bf16_at_one_rank_is_bit_identical_to_one_process_under_the_policy():
 @pytest.mark.parametrize(("world_size", "dtype"), [(2, torch.bfloat16), (3, torch.bfloat16), (2, torch.float16)])
 def test_mixed_precision_equals_one_process_on_the_same_slices(world_size, dtype):
     cases = standard_cases()
-    references = [sliced_reference(c, world_size, dtype) for c in cases]
+    references = [one_process(c.model, c.batches, c.optimizer_factory, slices=world_size, param_dtype=dtype)
+                  for c in cases]
     check_equivalence(cases, make(mp_policy=MixedPrecision(dtype, torch.float32)), world_size,
                       references=references, tol=1e-5, timeout=60)
 

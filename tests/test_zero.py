@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from equivalence import differing_replicas, standard_cases, standard_references
+from engine_cases import differing_replicas, standard_cases, standard_references
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from fsdp_course.engines.equivalence import ShardedTrainee, check_equivalence
+from fsdp_course.engines.equivalence import Trainee, check_equivalence
 from fsdp_course.engines.zero import ZeRO1, ZeRO2, bucket_parameters
 from fsdp_course.fsdp.flat_param import padded_numel
 from fsdp_course.memory import attach, measure, total_bytes, zero_formula
@@ -28,7 +28,8 @@ def make_zero(stage):
     def make(model, ctx, optimizer_factory):
         engine = ZeRO1(model, ctx, optimizer_factory) if stage == 1 else \
             ZeRO2(model, ctx, optimizer_factory, bucket_numel=BUCKET)
-        return ShardedTrainee(engine, lambda: [(b.layout, ctx.rank, b.shard.grad) for b in engine.buckets])
+        return Trainee(engine, module=engine.module,
+                       grad_chunks=lambda: [(b.layout, ctx.rank, b.shard.grad) for b in engine.buckets])
     return make
 
 

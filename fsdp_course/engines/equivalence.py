@@ -1,44 +1,25 @@
 """The equivalence harness: an engine on N simulated ranks against one process, step by step.
 
-The proof every data-parallel engine and exercise owes (as in CS336's FSDP checks; docs/ARCHITECTURE.md,
-"Equivalence under Adam"): train it on N ranks, each on its contiguous slice of every global batch
-(`local_slice`), train one plain process on the whole global batches (`reference_run`), and compare
-at every step:
-  - the loss (mean of the ranks' losses; the slices are equal) and every averaged gradient, per
-    tensor: relative norm of the difference <= tol;
-  - the parameters after the step: elementwise relative to the tensor's largest value (SGD); under
-    Adam/AdamW in global norm over all parameters, and elementwise only where the gradient is
-    more than rounding noise (Adam divides by the gradient's own scale, so a gradient that is
-    mathematically zero, such as attention's key bias, turns rounding noise into steps that differ
-    from run to run, up to lr in size).
-A failure names the case, world size, step, tensor, rank and difference.
-
-An engine plugs in through a small adapter, a `Trainee` (`ModuleTrainee` for one process or DDP,
-`ShardedTrainee` for ZeRO-1/2, `FSDPTrainee`): forward, step, zero_grad, and what it holds, as
-`Pieces`: name -> [(start, end, values)], ranges of the flattened tensor, so sharded engines report
-only their chunks (`shard_pieces`) and replicated ones the whole tensor (`full_pieces`). Every
-element of every tensor must be covered by some rank.
+Every rank trains on its contiguous slice of each global batch (`local_slice`), one process on the whole batches
+(`one_process`), and `compare` checks every step: the loss, each averaged gradient (relative norm per tensor) and
+the parameters after the step (elementwise under SGD; under Adam in global norm, and elementwise only where the
+gradient is more than rounding noise: docs/ARCHITECTURE.md, "Equivalence under Adam"). It is the proof CS336's
+FSDP assignment asks of an engine. An engine plugs in as a `Trainee`; checkers, tests and lessons share the
+seeded models and batches and the relative differences (`norm_rel_diff`, `max_rel_diff`, `close`).
 
     case = Case("mlp/sgd", MLP([64, 32, 10]), SGD, digits_batches("vectors"), params="elementwise")
-    make = lambda model, ctx, opt_factory: ModuleTrainee(DDP(model, ctx), opt_factory)
-    result = check_equivalence([case], make, world_size=3)["mlp/sgd"]
-    result.errors      # {"loss": ..., "grad": ..., "param": ...}, the largest relative errors seen
-    result.traces[r]   # rank r's Trace: losses, grads, params, collectives and memory per step
-
-Cases run in one `run_ranks` per world size (starting the simulated world is the slow part).
-The exercise checkers (`fsdp_course.classroom.checks`) run the learner's code themselves and use
-the pieces below it: `seeded_mlp` and `global_batches` (built without touching the global RNG,
-which the rank threads share), `local_slice`, one process's `StepRecord`s (`reference_steps`),
-`local_grads`, `max_rel_diff` and `close`.
+    results = check_equivalence([case], lambda model, ctx, opt: Trainee(DDP(model, ctx), opt), world_size=3)
+    results["mlp/sgd"].errors      # {"loss": ..., "grad": ..., "param": ...}, the largest relative errors seen
+    results["mlp/sgd"].traces[r]   # rank r's Trace: losses, grads, params, collectives and memory per step
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -53,19 +34,18 @@ from fsdp_course.runtime.simulate import run_ranks
 from fsdp_course.sampler import rank_slice
 
 __all__ = [
-    "ADAMW", "SGD", "Batch", "Case", "FSDPTrainee", "MakeTrainee", "MixedPrecisionReference",
-    "ModuleTrainee", "OptimizerFactory", "Pieces",
-    "Result", "ShardedTrainee", "StepRecord", "Trace", "Trainee", "check_equivalence", "close", "compare",
-    "digits_batches", "full_pieces", "full_tensor", "global_batches", "local_grads", "local_slice", "max_rel_diff",
-    "norm_rel_diff", "reference_run", "reference_steps", "run_engine", "run_reference", "seeded_mlp", "shard_pieces",
-    "train",
+    "ADAMW", "SGD", "Batch", "Case", "MakeTrainee", "MixedPrecisionReference", "OptimizerFactory", "Result",
+    "StepRecord", "Trace", "Trainee", "check_equivalence", "close", "compare", "digits_batches", "full_tensor",
+    "global_batches", "local_slice", "max_rel_diff", "norm_rel_diff", "one_process", "seeded_mlp", "train",
 ]
 
 Pieces = dict[str, list[tuple[int, int, Tensor]]]  # name -> [(start, end, values of flat[start:end])]
+Chunks = Callable[[], list[tuple[FlatParamLayout, int, Tensor | None]]]  # -> [(layout, rank, this rank's chunk)]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 Batch = tuple[Tensor, Tensor]
 LossFn = Callable[[Tensor, Tensor], Tensor]
 ParamCheck = Literal["elementwise", "global_norm"]
+Compared = float | Tensor | Mapping[str, Tensor] | Sequence[Tensor]
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)  # the optimizers of the engines' tests
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
@@ -115,129 +95,89 @@ def local_slice(batch: Batch, rank: int, world_size: int) -> Batch:
     return rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
 
 
-# -- what an engine holds --------------------------------------------------------------------------
-class Trainee(Protocol):
-    """What the harness needs from an engine on one rank."""
-
-    def __call__(self, x: Tensor) -> Tensor: ...
-    def step(self) -> None: ...
-    def zero_grad(self) -> None: ...
-    def grad_pieces(self) -> Pieces: ...  # the averaged gradient this rank holds
-    def param_pieces(self) -> Pieces: ...  # the parameters this rank holds, after the step
-
-
-MakeTrainee = Callable[[nn.Module, RankContext, OptimizerFactory], Trainee]
-
-
-def full_pieces(named: Sequence[tuple[str, Tensor | None]]) -> Pieces:
-    """Whole tensors (replicated engines): each one piece [0, numel). None entries are skipped."""
+# -- an engine on one rank -------------------------------------------------------------------------
+def _whole_pieces(named: Iterable[tuple[str, Tensor | None]]) -> Pieces:
+    """Whole tensors, each one piece [0, numel); None entries are skipped."""
     return {n: [(0, t.numel(), t.detach().reshape(-1).clone())] for n, t in named if t is not None}
 
 
-def shard_pieces(layout: FlatParamLayout, rank: int, shard: Tensor | None) -> Pieces:
-    """The parts of each parameter inside `rank`'s chunk `shard` (padded_numel // N,) of a flat buffer."""
-    if shard is None:
-        return {}
-    out: Pieces = {}
-    for piece in layout.pieces(rank):
-        n = piece.param_end - piece.param_start
-        values = shard.detach()[piece.shard_offset:piece.shard_offset + n].clone()
-        out.setdefault(piece.name, []).append((piece.param_start, piece.param_end, values))
-    return out
-
-
-def _chunk_pieces(chunks: Sequence[tuple[FlatParamLayout, int, Tensor | None]]) -> Pieces:
+def _chunk_pieces(chunks: Iterable[tuple[FlatParamLayout, int, Tensor | None]]) -> Pieces:
+    """The parts of each parameter inside each rank's chunk (padded_numel // N,) of a flat buffer."""
     out: Pieces = {}
     for layout, rank, chunk in chunks:
-        for name, pieces in shard_pieces(layout, rank, chunk).items():
-            out.setdefault(name, []).extend(pieces)
+        if chunk is None:
+            continue
+        for piece in layout.pieces(rank):
+            n = piece.param_end - piece.param_start
+            values = chunk.detach()[piece.shard_offset:piece.shard_offset + n].clone()
+            out.setdefault(piece.name, []).append((piece.param_start, piece.param_end, values))
     return out
 
 
-class ModuleTrainee:
-    """A module-like object with full parameters and gradients and an optimizer over `parameters()`
-    (one process, or DDP)."""
+class Trainee:
+    """An engine on one rank as the harness trains it: forward, step, zero_grad, and what the rank holds.
 
-    def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory) -> None:
-        self.module = module
-        self.optimizer = optimizer_factory(list(module.parameters()))
+    The optimizer is `optimizer_factory(list(engine.parameters()))`, or, with None, the engine's own `step()` and
+    `zero_grad()` (ZeRO-1/2). The rank holds whole tensors, the named parameters of `module` (default: the engine)
+    and their gradients, unless `grad_chunks` / `param_chunks` return its chunks of flat buffers instead (ZeRO: the
+    gradient; FSDP: both, see `Trainee.fsdp`). Every element of every tensor must be held by some rank.
+    """
 
-    def __call__(self, x: Tensor) -> Tensor:
-        return self.module(x)
-
-    def step(self) -> None:
-        self.optimizer.step()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad()
-
-    def grad_pieces(self) -> Pieces:
-        return full_pieces([(n, p.grad) for n, p in self.module.named_parameters()])
-
-    def param_pieces(self) -> Pieces:
-        return full_pieces(list(self.module.named_parameters()))
-
-    def memory(self) -> dict[str, int]:
-        return measure(self.module, self.optimizer) if hasattr(self.module, "memory_tensors") else {}
-
-
-class ShardedTrainee:
-    """An engine that owns its optimizer (`step()`, `zero_grad()`), holds full parameters in
-    `engine.module` and its averaged gradient as chunks: `chunks()` -> [(layout, rank, grad chunk)]
-    (ZeRO-1 and ZeRO-2)."""
-
-    def __init__(self, engine: nn.Module,
-                 chunks: Callable[[], list[tuple[FlatParamLayout, int, Tensor | None]]]) -> None:
+    def __init__(self, engine: nn.Module, optimizer_factory: OptimizerFactory | None = None, *,
+                 module: nn.Module | None = None, grad_chunks: Chunks | None = None,
+                 param_chunks: Chunks | None = None) -> None:
         self.engine = engine
-        self.chunks = chunks
+        self.optimizer = None if optimizer_factory is None else optimizer_factory(list(engine.parameters()))
+        self.module = engine if module is None else module
+        self.grad_chunks, self.param_chunks = grad_chunks, param_chunks
+
+    @classmethod
+    def fsdp(cls, fsdp: Any, optimizer_factory: OptimizerFactory) -> Trainee:
+        """The course's FSDP (or anything with `ctx` and `handles` of (layout, shard)): the optimizer steps the
+        shards, and the rank holds its chunks of the parameters and of the averaged gradients only."""
+        return cls(fsdp, optimizer_factory,
+                   grad_chunks=lambda: [(h.layout, fsdp.ctx.rank, h.shard.grad) for h in fsdp.handles],
+                   param_chunks=lambda: [(h.layout, fsdp.ctx.rank, h.shard) for h in fsdp.handles])
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.engine(x)
 
     def step(self) -> None:
-        self.engine.step()
+        (self.engine if self.optimizer is None else self.optimizer).step()
 
     def zero_grad(self) -> None:
-        self.engine.zero_grad()
+        (self.engine if self.optimizer is None else self.optimizer).zero_grad()
 
     def grad_pieces(self) -> Pieces:
-        return _chunk_pieces(self.chunks())
+        """The averaged gradient this rank holds."""
+        if self.grad_chunks is not None:
+            return _chunk_pieces(self.grad_chunks())
+        return _whole_pieces((n, p.grad) for n, p in self.module.named_parameters())
 
     def param_pieces(self) -> Pieces:
-        return full_pieces(list(self.engine.module.named_parameters()))
+        """The parameters this rank holds (after the step)."""
+        if self.param_chunks is not None:
+            return _chunk_pieces(self.param_chunks())
+        return _whole_pieces(self.module.named_parameters())
 
     def memory(self) -> dict[str, int]:
-        return measure(self.engine)  # the engine lists its own optimizer's state
+        """Bytes alive by category (`fsdp_course.memory.measure`) for an engine that lists its tensors, else {}."""
+        return measure(self.engine, self.optimizer) if hasattr(self.engine, "memory_tensors") else {}
 
 
-class FSDPTrainee:
-    """FSDP (`fsdp_course.fsdp.api.FSDP`, or anything with `handles` of (layout, shard) and `ctx`): the
-    optimizer steps the shards; parameters and averaged gradients are held as this rank's chunks only."""
-
-    def __init__(self, fsdp: Any, optimizer_factory: OptimizerFactory) -> None:
-        self.fsdp = fsdp
-        self.optimizer = optimizer_factory(list(fsdp.parameters()))
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return self.fsdp(x)
-
-    def step(self) -> None:
-        self.optimizer.step()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad()
-
-    def grad_pieces(self) -> Pieces:
-        return _chunk_pieces([(h.layout, self.fsdp.ctx.rank, h.shard.grad) for h in self.fsdp.handles])
-
-    def param_pieces(self) -> Pieces:
-        return _chunk_pieces([(h.layout, self.fsdp.ctx.rank, h.shard) for h in self.fsdp.handles])
-
-    def memory(self) -> dict[str, int]:
-        return measure(self.fsdp, self.optimizer)
+MakeTrainee = Callable[[nn.Module, RankContext, OptimizerFactory], Trainee]
 
 
-# -- the training loop -----------------------------------------------------------------------------
+# -- training: N ranks, one process ---------------------------------------------------------------
+@dataclass
+class StepRecord:
+    """What one process saw in one step: the loss, the gradients, the parameters after the step (shaped)."""
+
+    loss: float
+    grads: dict[str, Tensor] = field(default_factory=dict)
+    params: dict[str, Tensor] = field(default_factory=dict)
+
+
 @dataclass
 class Trace:
     """What one rank (or the one process) saw, per step."""
@@ -247,7 +187,18 @@ class Trace:
     params: list[Pieces] = field(default_factory=list)
     sent: list[dict[str, float]] = field(default_factory=list)  # bytes sent per collective op (ledger)
     calls: list[list[tuple[str, str]]] = field(default_factory=list)  # (phase, op) of each collective, in order
-    memory: list[dict[str, int]] = field(default_factory=list)  # measured after the step, if offered
+    memory: list[dict[str, int]] = field(default_factory=list)  # measured after the step
+
+    def steps(self, like: nn.Module) -> list[StepRecord]:
+        """Step by step, with whole tensors shaped as `like`'s parameters (a trace that holds whole tensors, such
+        as one process's: what the checkers compare with)."""
+        shapes = {n: p.shape for n, p in like.named_parameters()}
+
+        def shaped(pieces: Pieces) -> dict[str, Tensor]:
+            return {n: values.view(shapes[n]) for n, [(_, _, values)] in pieces.items()}
+
+        return [StepRecord(loss, shaped(grads), shaped(params))
+                for loss, grads, params in zip(self.losses, self.grads, self.params, strict=True)]
 
 
 def train(trainee: Trainee, batches: Sequence[Batch], ledger: Ledger | None = None,
@@ -282,55 +233,65 @@ def train(trainee: Trainee, batches: Sequence[Batch], ledger: Ledger | None = No
                 sent[record.op] = sent.get(record.op, 0.0) + record.sent_bytes
             trace.sent.append(sent)
             trace.calls.append([(record.label, record.op) for record in ledger.records[first:]])
-        if hasattr(trainee, "memory"):
-            trace.memory.append(trainee.memory())
+        trace.memory.append(trainee.memory())
         trainee.zero_grad()
     return trace
 
 
-def reference_run(model: nn.Module, batches: Sequence[Batch], optimizer_factory: OptimizerFactory,
-                  loss_fn: LossFn = F.cross_entropy) -> Trace:
-    """One process on the whole global batches (a deep copy of `model` is trained)."""
-    return train(ModuleTrainee(copy.deepcopy(model), optimizer_factory), batches, loss_fn=loss_fn)
+class MixedPrecisionReference(nn.Module):
+    """One process under a mixed-precision policy, the reference for FSDP's `mp_policy`: the parameters stay in
+    their dtype (fp32, the master copy the optimizer steps), each forward computes with copies cast to
+    `param_dtype` and with floating inputs cast too. Autograd casts the gradient back through the copy, so `.grad`
+    holds the `param_dtype` gradient in fp32, as FSDP's shard does (whatever its reduce dtype: one process reduces
+    nothing). `state_dict()` and `named_parameters()` are the wrapped module's."""
+
+    def __init__(self, module: nn.Module, param_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module = module
+        self.param_dtype = param_dtype
+
+    def forward(self, *args: Any) -> Tensor:
+        cast = {n: p.to(self.param_dtype) for n, p in self.module.named_parameters()}
+        args = tuple(a.to(self.param_dtype) if a.is_floating_point() else a for a in args)
+        return torch.func.functional_call(self.module, cast, args, tie_weights=True)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # the wrapped module's names, no "module."
+        return self.module.named_parameters(*args, **kwargs)
 
 
-@dataclass
-class StepRecord:
-    """What one process saw in one step: the loss, the gradients, the parameters after the step (shaped)."""
+def one_process(model: nn.Module, batches: Sequence[Batch], optimizer_factory: OptimizerFactory, *,
+                slices: int = 1, param_dtype: torch.dtype | None = None,
+                loss_fn: LossFn = F.cross_entropy) -> Trace:
+    """One process trained on the whole global batches: the reference (a deep copy of `model` is trained).
 
-    loss: float
-    grads: dict[str, Tensor] = field(default_factory=dict)
-    params: dict[str, Tensor] = field(default_factory=dict)
-
-
-def reference_steps(model: nn.Module, batches: Sequence[Batch], optimizer_factory: OptimizerFactory,
-                    loss_fn: LossFn = F.cross_entropy) -> list[StepRecord]:
-    """`reference_run`, step by step, with `model`'s parameter shapes (what the checkers compare with)."""
-    trace = reference_run(model, batches, optimizer_factory, loss_fn)
-    shapes = {n: p.shape for n, p in model.named_parameters()}
-
-    def shaped(pieces: Pieces) -> dict[str, Tensor]:
-        return {n: values.view(shapes[n]) for n, [(_, _, values)] in pieces.items()}
-
-    return [StepRecord(loss, shaped(grads), shaped(params))
-            for loss, grads, params in zip(trace.losses, trace.grads, trace.params, strict=True)]
-
-
-def local_grads(model: nn.Module, batch: Batch, loss_fn: LossFn = F.cross_entropy) -> dict[str, Tensor]:
-    """The gradients of one rank's slice alone (what a rank holds before any averaging)."""
+    `param_dtype`: each forward computes in it (`MixedPrecisionReference`). `slices` > 1: what N = `slices` ranks
+    compute, in one process: each rank's slice forward and backward apart, the gradients averaged in fp32, the loss
+    the mean of the slices' losses, then one step (under a mixed-precision policy this rounds as the ranks do).
+    """
     model = copy.deepcopy(model)
-    loss_fn(model(batch[0]), batch[1]).backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def full_tensor(traces: Sequence[Trace], step: int, name: str, like: Tensor,
-                what: Literal["grads", "params"] = "params") -> Tensor:
-    """Tensor `name` at `step` (0-based) put together from the ranks' pieces, shaped like `like`."""
-    out = torch.full((like.numel(),), float("nan"), dtype=like.dtype)
-    for trace in traces:
-        for start, end, values in getattr(trace, what)[step].get(name, []):
-            out[start:end] = values
-    return out.view(like.shape)
+    forward = model if param_dtype is None else MixedPrecisionReference(model, param_dtype)
+    params = list(model.named_parameters())
+    optimizer = optimizer_factory([p for _, p in params])
+    trace = Trace()
+    for batch in batches:
+        losses: list[float] = []
+        sums: list[Tensor | None] = [None] * len(params)  # None: no slice gave this parameter a gradient
+        for rank in range(slices):
+            x, y = local_slice(batch, rank, slices)
+            optimizer.zero_grad()
+            loss = loss_fn(forward(x), y)
+            loss.backward()
+            losses.append(loss.item())
+            for i, (_, p) in enumerate(params):
+                if p.grad is not None:
+                    sums[i] = p.grad.clone() if sums[i] is None else sums[i] + p.grad
+        for (_, p), total in zip(params, sums, strict=True):
+            p.grad = None if total is None else total / slices
+        optimizer.step()
+        trace.losses.append(sum(losses) / slices)
+        trace.grads.append(_whole_pieces((n, p.grad) for n, p in params))
+        trace.params.append(_whole_pieces(params))
+    return trace
 
 
 # -- the comparison --------------------------------------------------------------------------------
@@ -341,11 +302,14 @@ def max_rel_diff(got: Tensor, expected: Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def norm_rel_diff(got: Tensor | Mapping[str, Tensor] | Sequence[Tensor],
-                  expected: Tensor | Mapping[str, Tensor] | Sequence[Tensor]) -> float:
-    """The norm of the difference over the norm of `expected`: of one tensor, or of several as a whole, a state dict
-    (by key) or a list (in order): every tensor flattened into one vector, the global norm, the measure under Adam
+def norm_rel_diff(got: Compared, expected: Compared) -> float:
+    """The norm of the difference over the norm of `expected` (the difference itself if that norm is 0): of two
+    numbers (|got - expected| / |expected|), of one tensor, or of several as a whole, a state dict (by key) or a
+    list (in order): every tensor flattened into one float64 vector, the global norm, the measure under Adam
     (docs/ARCHITECTURE.md)."""
+    if isinstance(expected, int | float):
+        diff, scale = abs(got - expected), abs(expected)  # type: ignore[operator]
+        return diff / scale if scale > 0 else diff
     if isinstance(expected, Mapping):
         got = torch.cat([got[k].detach().reshape(-1).double() for k in expected])  # type: ignore[index]
         expected = torch.cat([v.detach().reshape(-1).double() for v in expected.values()])
@@ -362,6 +326,16 @@ def norm_rel_diff(got: Tensor | Mapping[str, Tensor] | Sequence[Tensor],
 def close(got: Tensor, expected: Tensor, tol: float = 1e-5) -> bool:
     """Same shape, and `max_rel_diff(got, expected) <= tol`."""
     return tuple(got.shape) == tuple(expected.shape) and max_rel_diff(got, expected) <= tol
+
+
+def full_tensor(traces: Sequence[Trace], step: int, name: str, like: Tensor,
+                what: Literal["grads", "params"] = "params") -> Tensor:
+    """Tensor `name` at `step` (0-based) put together from the ranks' pieces, shaped like `like`."""
+    out = torch.full((like.numel(),), float("nan"), dtype=like.dtype)
+    for trace in traces:
+        for start, end, values in getattr(trace, what)[step].get(name, []):
+            out[start:end] = values
+    return out.view(like.shape)
 
 
 def _worst_difference(name: str, step: int, what: str, ref: Tensor,
@@ -395,7 +369,10 @@ def _signal(reference: Trace) -> dict[str, Tensor]:
 
 
 def compare(reference: Trace, traces: Sequence[Trace], *, params: ParamCheck, tol: float = 1e-5) -> dict[str, float]:
-    """Assert the N-rank traces match the reference at every step; return the largest errors seen."""
+    """Assert the N-rank traces match the reference at every step; return the largest errors seen.
+
+    A failure names the step, the tensor, the rank and the difference.
+    """
     tiny = torch.finfo(torch.float32).tiny
     errors = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     n = len(traces)
@@ -444,27 +421,6 @@ def compare(reference: Trace, traces: Sequence[Trace], *, params: ParamCheck, to
     return errors
 
 
-class MixedPrecisionReference(nn.Module):
-    """One process under a mixed-precision policy, the reference for FSDP's `mp_policy`: the parameters stay in
-    their dtype (fp32, the master copy the optimizer steps), each forward computes with copies cast to
-    `param_dtype` and with floating inputs cast too. Autograd casts the gradient back through the copy, so `.grad`
-    holds the `param_dtype` gradient in fp32, as FSDP's shard does (whatever its reduce dtype: one process reduces
-    nothing). `state_dict()` and `named_parameters()` are the wrapped module's."""
-
-    def __init__(self, module: nn.Module, param_dtype: torch.dtype) -> None:
-        super().__init__()
-        self.module = module
-        self.param_dtype = param_dtype
-
-    def forward(self, *args: Any) -> Tensor:
-        cast = {n: p.to(self.param_dtype) for n, p in self.module.named_parameters()}
-        args = tuple(a.to(self.param_dtype) if a.is_floating_point() else a for a in args)
-        return torch.func.functional_call(self.module, cast, args, tie_weights=True)
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # the wrapped module's names, no "module."
-        return self.module.named_parameters(*args, **kwargs)
-
-
 # -- cases -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Case:
@@ -475,28 +431,6 @@ class Case:
     optimizer_factory: OptimizerFactory
     batches: Sequence[Batch]
     params: ParamCheck  # SGD: elementwise; Adam/AdamW: global_norm
-
-
-def run_reference(case: Case) -> Trace:
-    """One process on the case's global batches."""
-    return reference_run(case.model, case.batches, case.optimizer_factory)
-
-
-def run_engine(cases: Sequence[Case], make_trainee: MakeTrainee, world_size: int, *,
-               timeout: float = 30.0) -> list[list[Trace]]:
-    """Train every case on `world_size` ranks (one `run_ranks`); traces[case][rank].
-
-    Every rank trains its own deep copy of each model, copied here before the threads start.
-    """
-    copies = [[copy.deepcopy(case.model) for _ in range(world_size)] for case in cases]
-
-    def fn(ctx: RankContext) -> list[Trace]:
-        return [train(make_trainee(models[ctx.rank], ctx, case.optimizer_factory),
-                      [local_slice(b, ctx.rank, ctx.world_size) for b in case.batches], ctx.ledger)
-                for case, models in zip(cases, copies, strict=True)]
-
-    per_rank = run_ranks(fn, world_size, timeout=timeout)
-    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]
 
 
 @dataclass
@@ -510,18 +444,29 @@ class Result:
 def check_equivalence(cases: Sequence[Case], make_trainee: MakeTrainee, world_size: int, *,
                       references: Sequence[Trace] | None = None, tol: float = 1e-5,
                       timeout: float = 30.0) -> dict[str, Result]:
-    """Run the engine on `world_size` ranks and compare each case with one process (or `references`).
+    """Train every case on `world_size` ranks and compare it with one process (or with `references`).
 
-    Raises AssertionError naming case, world size, step, tensor, rank and difference at the first
-    mismatch; otherwise returns, per case name, the largest errors and the ranks' traces.
+    All cases run in one `run_ranks` (starting the simulated world is the slow part); every rank trains its own
+    deep copy of each model, copied before the threads start. Raises AssertionError naming case, world size, step,
+    tensor, rank and difference at the first mismatch; otherwise returns, per case name, the largest errors and
+    the ranks' traces.
     """
     if references is None:
-        references = [run_reference(case) for case in cases]
+        references = [one_process(case.model, case.batches, case.optimizer_factory) for case in cases]
+    copies = [[copy.deepcopy(case.model) for _ in range(world_size)] for case in cases]
+
+    def fn(ctx: RankContext) -> list[Trace]:
+        return [train(make_trainee(models[ctx.rank], ctx, case.optimizer_factory),
+                      [local_slice(b, ctx.rank, ctx.world_size) for b in case.batches], ctx.ledger)
+                for case, models in zip(cases, copies, strict=True)]
+
+    per_rank = run_ranks(fn, world_size, timeout=timeout)
     out = {}
-    engine_traces = run_engine(cases, make_trainee, world_size, timeout=timeout)
-    for case, reference, traces in zip(cases, references, engine_traces, strict=True):
+    for i, (case, reference) in enumerate(zip(cases, references, strict=True)):
+        traces = [per_rank[r][i] for r in range(world_size)]
         try:
             out[case.name] = Result(compare(reference, traces, params=case.params, tol=tol), traces)
         except AssertionError as exc:
             raise AssertionError(f"{case.name}, world size {world_size}: {exc}") from None
     return out
+

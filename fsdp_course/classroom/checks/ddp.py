@@ -34,10 +34,9 @@ from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import (
     close,
     global_batches,
-    local_grads,
     local_slice,
     max_rel_diff,
-    reference_steps,
+    one_process,
     seeded_mlp,
 )
 from fsdp_course.i18n.messages import catalogue
@@ -185,7 +184,7 @@ def check_ddp(broadcast_parameters: Callable[[RankContext, nn.Module], Any],
     sizes = require_world_sizes(world_sizes)
     batches = global_batches(STEPS, GLOBAL_BATCH, SIZES[0], SIZES[-1], seed=7)
     base = _rank_models(1)[0]
-    reference = reference_steps(base, batches, functools.partial(torch.optim.SGD, lr=LR))
+    reference = one_process(base, batches, functools.partial(torch.optim.SGD, lr=LR)).steps(base)
     for n in sizes:
         models = _rank_models(n)
         current = [0] * n
@@ -240,9 +239,9 @@ def _compare_step(check: str, n: int, rank: int, step: int, grads: dict[str, tor
             hint = T("summed", rank=rank, n=n)
         elif c is not None and n > 1 and abs(c * n - 1) < 1e-3:
             hint = T("averaged_twice", rank=rank, n=n)
-        elif step == 1 and n > 1:
-            local = local_grads(base, local_slice(batches[0], rank, n))[pname]
-            if close(got, local):
+        elif step == 1 and n > 1:  # the gradient of this rank's slice alone: one process on that slice
+            alone = one_process(base, [local_slice(batches[0], rank, n)], functools.partial(torch.optim.SGD, lr=LR))
+            if close(got, alone.steps(base)[0].grads[pname]):
                 hint = T("own_slice", rank=rank)
         CheckFailure(check, where, T("grad_differs", rank=rank, name=pname), hint, details).fail()
     for pname, expected in ref.params.items():

@@ -45,7 +45,7 @@ from fsdp_course.engines.equivalence import (
     global_batches,
     local_slice,
     max_rel_diff,
-    reference_steps,
+    one_process,
     seeded_mlp,
 )
 from fsdp_course.fsdp.flat_param import FlatParamLayout
@@ -174,7 +174,7 @@ def check_fsdp_unit(unit_class: Callable[[nn.Module, RankContext], Any],
     sizes = require_world_sizes(world_sizes)
     model = seeded_mlp(SIZES, seed=11)
     batches = global_batches(STEPS, GLOBAL_BATCH, SIZES[0], SIZES[-1], seed=12)
-    reference = reference_steps(model, batches, functools.partial(torch.optim.SGD, lr=LR))
+    reference = one_process(model, batches, functools.partial(torch.optim.SGD, lr=LR)).steps(model)
     for n in sizes:
         state = [(0, "building the units")] * n
 

@@ -36,7 +36,7 @@ from fsdp_course.classroom.checks._common import (
     say,
 )
 from fsdp_course.classroom.checks._common import T as COMMON
-from fsdp_course.engines.equivalence import ADAMW, Case, FSDPTrainee, check_equivalence, digits_batches
+from fsdp_course.engines.equivalence import ADAMW, Case, Trainee, check_equivalence, digits_batches
 from fsdp_course.fsdp.api import FSDP
 from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.models import TransformerClassifier, TransformerConfig
@@ -321,8 +321,8 @@ def _under_fsdp(cls: Callable[..., nn.Module], sizes: list[int]) -> None:
     initial = {n: p.detach().reshape(-1).clone() for n, p in model.named_parameters()}
     case = Case("lora", model, ADAMW, digits_batches("tokens", 3, 12, token_stride=4), "global_norm")
 
-    def make(m: nn.Module, ctx: Any, factory: Any) -> FSDPTrainee:
-        return FSDPTrainee(FSDP(m, ctx, wrap={nn.TransformerEncoderLayer}), factory)
+    def make(m: nn.Module, ctx: Any, factory: Any) -> Trainee:
+        return Trainee.fsdp(FSDP(m, ctx, wrap={nn.TransformerEncoderLayer}), factory)
 
     for n in sizes:
         where = f"fine-tuning under FSDP, world size {n}"

@@ -40,7 +40,7 @@ from fsdp_course.engines.equivalence import (
     global_batches,
     local_slice,
     max_rel_diff,
-    reference_steps,
+    one_process,
     seeded_mlp,
 )
 from fsdp_course.i18n.messages import Message, catalogue
@@ -223,7 +223,7 @@ def check_train_step(fn: Callable[[RankContext, Any, torch.optim.Optimizer, torc
     sizes = require_world_sizes(world_sizes)
     model = seeded_mlp(STEP_SIZES, seed=31)
     batches = global_batches(STEP_STEPS, STEP_BATCH, STEP_SIZES[0], STEP_SIZES[-1], seed=32)
-    reference = reference_steps(model, batches, functools.partial(torch.optim.SGD, lr=STEP_LR))
+    reference = one_process(model, batches, functools.partial(torch.optim.SGD, lr=STEP_LR)).steps(model)
     for n in sizes:
         current = [1] * n
 
