@@ -389,3 +389,15 @@ def offload_copy_formula(numel: int, world_size: int, bytes_per_param: int = 4,
     `numel` is the padded total (every unit's flat parameter, a multiple of N)."""
     shard = numel * bytes_per_param / world_size
     return {"h2d": gathers_per_step * shard, "d2h": shard}
+
+
+def saved_by_shape(saved: Mapping[int, tuple[int, tuple[int, ...], str]]) -> str:
+    """What autograd saved for backward (`{storage: (bytes, shape, dtype)}`, each storage once) as text: the count
+    and bytes in all, then one line per shape and dtype, the most bytes first."""
+    kinds: dict[tuple[tuple[int, ...], str], list[int]] = {}
+    for nbytes, shape, dtype in saved.values():
+        kinds.setdefault((shape, dtype), []).append(nbytes)
+    lines = [f"{len(saved)} saved tensors, {sum(v[0] for v in saved.values())} bytes; by shape:"]
+    for (shape, dtype), sizes in sorted(kinds.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"  {len(sizes):>2} x {str(shape):<16} {dtype:<8} {sum(sizes):>8} bytes")
+    return "\n".join(lines)

@@ -21,6 +21,7 @@ FLOORS = {
     "engines": 3, "viz": 3,  # DDP, ZeRO, the bridge to torch; figures and widgets
     "classroom": 4,  # checks, exercises, grading, the CLI
     "train": 5, "examples": 5,  # programs: the torchrun entry point, and those the lessons start as processes
+    "demos": 6,  # what the lessons run to show an idea (their measurement runs and tables)
 }
 
 

@@ -531,6 +531,14 @@ def test_only_fsdp1_has_an_option_to_broadcast_at_init() -> None:
     assert "sync_module_states" not in inspect.signature(fully_shard).parameters
 
 
+def test_the_articles_allgather_options_has_no_torch_distributed_name() -> None:
+    # lesson A1: the article's `new AllgatherOptions()` is a C++ class torch.distributed does not re-export
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import AllgatherOptions
+
+    assert not hasattr(dist, "AllgatherOptions") and hasattr(AllgatherOptions(), "timeout")
+
+
 def test_ddp_default_keeps_buckets_beside_the_gradients(reports: list[dict[str, Any]]) -> None:
     ranks = [r["ddp_buckets"] for r in reports]
     for out in ranks:

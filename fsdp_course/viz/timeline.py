@@ -197,3 +197,25 @@ def plot_memory_compare(runs: Mapping[str, Any], *, kind: str = "lines", rank: i
     fig.suptitle(title or "Memory per rank over one step" + (f" (rank {rank})" if kind == "stack" else ""),
                  fontsize=10)
     return fig
+
+
+TABLE_COLUMNS = {"params": "params", "gathered_params": "gathered", "grads": "grads", "sharded_params": "shard",
+                 "sharded_grads": "sh.grad", "optimizer": "optimizer"}  # the model state, as a table names it
+
+
+def timeline_table(timeline: Timeline, title: str = "event (KiB)", columns: Mapping[str, str] | None = None) -> str:
+    """The recorded events of a step as text, one line each: the total of parameters, gradients and optimizer
+    state, then each category of `columns` ({category: heading}, default `TABLE_COLUMNS`) that the snapshots hold,
+    in KiB with one decimal (exact bytes, so the same text on every machine)."""
+    from fsdp_course.memory import total_bytes
+
+    names = columns if columns is not None else TABLE_COLUMNS
+    shown = [c for c in names if any(c in snap for _, snap in timeline)]
+    width = max([len(title), *(len(label) for label, _ in timeline)]) + 1
+    heads = [("total", None)] + [(names[c], c) for c in shown]
+    lines = [f"{title:<{width}}" + " ".join(f"{h:>{max(6, len(h))}}" for h, _ in heads)]
+    for label, snap in timeline:
+        values = [total_bytes(snap) if c is None else snap.get(c, 0) for _, c in heads]
+        lines.append(f"{label:<{width}}" + " ".join(f"{v / 1024:>{max(6, len(h))}.1f}"
+                                                    for (h, _), v in zip(heads, values, strict=True)))
+    return "\n".join(lines)

@@ -101,3 +101,16 @@ def plot_zero_bars(numel: int, world_size: int, measured: Mapping[Any, Any] | No
     ax.set_title(title or f"Model state per rank: Ψ = {numel:,} parameters, N = {world_size}, {opt}, "
                  f"{bytes_per_param} bytes per value", fontsize=10)
     return fig
+
+
+def zero_table(columns: Mapping[str, tuple[int, int]], optimizer: str = "adam") -> str:
+    """The ZeRO formulas as text: one row per stage (its name and formula), one column per `{heading: (numel, N)}`,
+    the bytes per rank in binary units (`format_bytes`)."""
+    widths = [max(len(heading) + 2, 11) for heading in columns]
+    lines = [f"{'stage':<8}{'formula':<14}" + "".join(f"{h:>{w}}" for h, w in zip(columns, widths, strict=True))]
+    for stage, name in enumerate(STAGES):
+        cells = [format_bytes(zero_formula(numel, n, stage, optimizer=optimizer)["total"])
+                 for numel, n in columns.values()]
+        lines.append(f"{name:<8}{zero_formula_text(stage, optimizer):<14}"
+                     + "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+    return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""Model state per rank as the world size N grows: ZeRO's formulas as lines, measured bytes as dots.
+
+DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N (fp32 Adam; `memory.zero_formula`, ZeRO
+arXiv:1910.02054 section 5.1): the first three level off at 16Ψ, 8Ψ and 4Ψ, only ZeRO-3 falls towards zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from matplotlib.figure import Figure
+
+from fsdp_course.memory import zero_formula
+from fsdp_course.viz.style import STAGES, new_figure
+
+__all__ = ["plot_zero_over_n"]
+
+_COLORS = ("C0", "C1", "C2", "C3")
+
+
+def plot_zero_over_n(psi: int, measured: Mapping[str, Mapping[int, float]], max_world_size: int = 8, *,
+                     title: str | None = None) -> Figure:
+    """The four formulas for N = 1 .. `max_world_size`, and `measured` bytes per rank as dots, by stage name and
+    world size ({"DDP": {1: bytes, 2: bytes, ...}, "ZeRO-1": {...}}); in KiB."""
+    unknown = set(measured) - set(STAGES)
+    if unknown:
+        raise ValueError(f"measured stages must be among {', '.join(STAGES)}, got {sorted(unknown)}")
+    ns = list(range(1, max_world_size + 1))
+    fig, axes = new_figure(size=(7, 3.6))
+    ax = axes[0, 0]
+    for stage, (name, color) in enumerate(zip(STAGES, _COLORS, strict=True)):
+        ax.plot(ns, [zero_formula(psi, n, stage)["total"] / 1024 for n in ns], color=color, linewidth=1,
+                label=f"{name} formula")
+        if name in measured:
+            points = sorted(measured[name].items())
+            ax.plot([n for n, _ in points], [b / 1024 for _, b in points], "o", color=color, label=f"{name} measured")
+    ax.set_xlabel("world size N")
+    ax.set_ylabel("model state per rank (KiB)")
+    ax.set_ylim(0, None)
+    ax.set_title(title or f"Ψ = {psi}, AdamW, float32")
+    ax.legend(fontsize=8, ncol=2)
+    return fig
