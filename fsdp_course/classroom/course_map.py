@@ -111,17 +111,18 @@ def _cut(text: str, width: int) -> str:
 
 
 def _wrap(text: str, width: int) -> list[str]:
+    """Lines of at most `width` columns, broken between words or Chinese characters, never inside `code` or a word."""
     if _width(text) <= width:
         return [text]
-    if " " in text and text.isascii():
+    if text.isascii():
         return textwrap.wrap(text, width)
     lines, line = [], ""
-    for ch in text:
-        if _width(line + ch) > width:
-            lines.append(line)
-            line = ch
+    for piece in re.findall(r"`[^`]*`|[\x21-\x7e]+|\s+|.", text):  # code, a word, spaces, or one character
+        if line and _width(line + piece) > width:
+            lines.append(line.rstrip())
+            line = piece.lstrip()
         else:
-            line += ch
+            line += piece
     return [*lines, line]
 
 

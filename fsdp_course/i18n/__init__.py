@@ -31,6 +31,10 @@ INSTALL_FONT = ("Install one and restart the kernel: Debian/Ubuntu `sudo apt ins
                 "fonts-wqy-microhei), Fedora `sudo dnf install google-noto-sans-cjk-fonts`, conda "
                 "`conda install -c conda-forge font-ttf-noto-cjk`, or `pip install mplfonts` then `mplfonts init`; "
                 "macOS and Windows have one already (PingFang SC, Microsoft YaHei)")
+INSTALL_FONT_ZH = ("安装一个中文字体后重启内核：Debian/Ubuntu 用 `sudo apt install fonts-noto-cjk`（或更小的 "
+                   "fonts-wqy-microhei），Fedora 用 `sudo dnf install google-noto-sans-cjk-fonts`，conda 用 "
+                   "`conda install -c conda-forge font-ttf-noto-cjk`，或者 `pip install mplfonts` 之后运行 "
+                   "`mplfonts init`；macOS 和 Windows 已经自带（PingFang SC、Microsoft YaHei）")
 _CJK = re.compile(r"[\u3000-\u303f\u3400-\u9fff\uff00-\uffef]")
 _warned: set[str] = set()
 
@@ -151,7 +155,8 @@ def use_chinese_figures() -> bool:
         return True
     font = cjk_font()
     if font is None:
-        _warn_once("fsdp_course: no Chinese font found, so figures keep their English labels. " + INSTALL_FONT)
+        _warn_once("fsdp_course: no Chinese font found, so figures keep their English labels. " + INSTALL_FONT
+                   + "\nfsdp_course：没有找到中文字体，所以图中的文字保持英文。" + INSTALL_FONT_ZH)
         return False
     import matplotlib
     from matplotlib.text import Text

@@ -125,18 +125,18 @@ T = catalogue("mixed_precision", {
     "backoff": ("after a skipped step (found_inf True) the scale is multiplied by backoff_factor = 0.5",
                 "跳过一步（found_inf 为 True）之后，scale 乘以 backoff_factor = 0.5"),
     "reset_after_skip": ("after a skipped step the count of clean steps starts again from 0",
-                         "跳过一步之后，干净步的计数从 0 重新开始"),
-    "double_now": ("this clean step is the {n}th in a row, which reaches growth_interval: the scale doubles now. "
+                         "跳过一步之后，无溢出步的计数从 0 重新开始"),
+    "double_now": ("this clean step makes {n} in a row, which reaches growth_interval: the scale doubles now. "
                    "Count this step first, then compare the count with >= (or ==) growth_interval: comparing the old "
                    "count, or with >, doubles one step late",
-                   "这是连续第 {n} 个干净步，达到了 growth_interval：scale 现在就翻倍。先计入这一步，再用 >=（或 ==）"
+                   "这是连续第 {n} 个无溢出步，达到了 growth_interval：scale 现在就翻倍。先计入这一步，再用 >=（或 ==）"
                    "与 growth_interval 比较：用旧的计数比较，或者用 >，都会晚一步翻倍"),
     "not_yet": ("only {n} clean steps in a row: the scale doubles when the count reaches growth_interval, not before",
-                "连续的干净步只有 {n} 个：计数达到 growth_interval 时 scale 才翻倍，不会提前"),
+                "连续的无溢出步只有 {n} 个：计数达到 growth_interval 时 scale 才翻倍，不会提前"),
     "reset_after_growth": ("when the scale grows, the count of clean steps starts again from 0",
-                           "scale 增长时，干净步的计数从 0 重新开始"),
+                           "scale 增长时，无溢出步的计数从 0 重新开始"),
     "count_up": ("after a clean step (found_inf False) the count of clean steps goes up by one",
-                 "干净的一步（found_inf 为 False）之后，干净步的计数加一"),
+                 "干净的一步（found_inf 为 False）之后，无溢出步的计数加一"),
     "rule": ("halve the scale and reset the count on found_inf; else count the step and double at growth_interval",
              "found_inf 为 True 时把 scale 减半并把计数清零；否则计入这一步，并在计数达到 growth_interval 时"
              "把 scale 翻倍"),
