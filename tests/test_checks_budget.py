@@ -90,6 +90,10 @@ def smallest_past_64(psi, unit, capacity, stage, offload):
     return next((n for n in range(1, 129) if REF(psi, n, stage, offload, unit) <= capacity), None)
 
 
+def smallest_counts_from_zero(psi, unit, capacity, stage, offload):  # range(64) starts at N = 0
+    return 0
+
+
 def smallest_off_by_one(psi, unit, capacity, stage, offload):
     n = BUDGET["smallest_world_size"](psi, unit, capacity, stage, offload)
     return None if n is None else n + 1
@@ -168,6 +172,7 @@ def test_device_peak_mistakes_are_named(fn: Callable, says: str, fields: dict,
     (smallest_strictly_below, "budget.boundary", {"n": 4, "capacity": 2_631_680}),
     (smallest_never_tries_64, "budget.never_tried", {"top": 64, "last": 63}),
     (smallest_past_64, "budget.past_search", {"top": 64, "got": 65}),
+    (smallest_counts_from_zero, "budget.at_least_one", {"got": 0}),
     (smallest_calling(offload_keeps_shards), "budget.blame_device_peak", {"got": 4_737_024, "n": 1,
                                                                           "expected": 526_336}),
     (smallest_calling(no_optimizer), "budget.blame_device_peak", {"got": 4_737_024, "n": 1, "expected": 8_947_712}),

@@ -154,6 +154,10 @@ T = catalogue("budget", {
                     "搜索范围是 N = 1 到 {top}：都放不下时返回 None（你继续试到了 N = {got:.0f}）"),
     "needs_more": ("at N = {n:.0f} the device needs {need:,.0f} B, more than the capacity",
                    "N = {n:.0f} 时设备需要 {need:,.0f} B，超过了容量"),
+    "at_least_one": ("a world size counts ranks, so the smallest is 1 (got {got:g}): search N = 1, 2, ... and "
+                     "return the first whose device peak fits",
+                     "world size 是 rank 的个数，最小是 1（得到的是 {got:g}）：依次试 N = 1, 2, ...，"
+                     "返回第一个设备峰值放得下的 N"),
     "try_each": ("try N = 1, 2, 3 ... and return the first N whose device peak fits; None when no N up to {top} fits",
                  "依次尝试 N = 1, 2, 3 ...，返回第一个设备峰值放得下的 N；所有不超过 {top} 的 N 都放不下时返回 None"),
     "got_expected": ("got {got!r}, expected {expected!r}", "得到 {got!r}，应为 {expected!r}"),
@@ -448,6 +452,8 @@ def _smallest_hint(got: float | None, psi: int, unit: int, capacity: float, stag
     if stage == 3 and got == smallest(lambda n: formula(n)["device"] - zero_formula(psi, n, stage,
                                                                                      gathered_numel=unit)["gathered"]):
         return T("holds_gathered_unit")
+    if got is not None and got < 1:  # no world has fewer than one rank (and the formula refuses it)
+        return T("at_least_one", got=got)
     expected = smallest(lambda n: formula(n)["device"])
     if got is None and expected == MAX_WORLD_SIZE:
         return T("never_tried", top=MAX_WORLD_SIZE, last=MAX_WORLD_SIZE - 1, stop=MAX_WORLD_SIZE + 1)
