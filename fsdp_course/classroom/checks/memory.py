@@ -49,7 +49,6 @@ T = catalogue("memory", {
     "parameters": ("parameters", "参数"),
     "gradients": ("gradients", "梯度"),
     "adam_state": ("Adam state", "Adam 状态"),
-    "parameter": ("parameter", "参数"),
     "total": ("total is params + grads + optimizer", "total 是 params + grads + optimizer 之和"),
     "shards": ("{stage_name} shards the {what}: each rank keeps 1/N of them; divide by the world size (stage {first} "
                "and above)",
@@ -62,9 +61,9 @@ T = catalogue("memory", {
                  "Adam 为每个参数保存两个 fp32 张量（动量和方差）：每个参数 8 字节，不是 4"),
     "elements": ("those are elements, not bytes: one fp32 value is 4 bytes",
                  "这些是元素个数，不是字节数：一个 fp32 值占 4 字节"),
-    "per_parameter": ("per parameter: 4 bytes of {what} (fp32), 4 of gradient, 8 of Adam state; divide what the stage "
-                      "shards by the world size",
-                      "每个参数：{what} 4 字节（fp32），梯度 4 字节，Adam 状态 8 字节；"
+    "per_parameter": ("per parameter: 4 bytes of parameter (fp32), 4 of gradient, 8 of Adam state; divide what the "
+                      "stage shards by the world size",
+                      "每个参数：参数 4 字节（fp32），梯度 4 字节，Adam 状态 8 字节；"
                       "该阶段分片的部分要除以 world size"),
     "measured": ("{category}: your formula says {got:,.0f} B, rank 0 holds {held:,} B",
                  "{category}：你的公式给出 {got:,.0f} B，而 rank 0 实际持有 {held:,} B"),
@@ -141,7 +140,7 @@ def _hint(key: str, stage: int, n: int, got: float, expected: float) -> Message:
         return T("adam_two")
     if expected and abs(got * 4 - expected) < 1e-6 * expected:
         return T("elements")
-    return T("per_parameter", what=what if key != "optimizer" else T("parameter"))
+    return T("per_parameter")
 
 
 def check_zero_memory(fn: Callable[[int, int, int], dict[str, float]]) -> None:

@@ -126,7 +126,7 @@ T = catalogue("wrapping", {
     "why_not_divided": ("16Ψ is not divided by N", "16Ψ 没有除以 N"),
     "why_four": ("4 · largest: the gathered parameters without their gradient", "4 · largest：只算了全聚合的参数，"
                  "没有算它们的梯度"),
-    "why_no_largest": ("the largest unit is not divided out: 16Ψ/N alone", "漏掉了最大单元那一项：只有 16Ψ/N"),
+    "why_no_largest": ("the largest unit's term is missing: 16Ψ/N alone", "漏掉了最大单元那一项：只有 16Ψ/N"),
     "why_first": ("the first unit is not the largest", "第一个单元并不是最大的单元"),
     "why_elements": ("the units are in elements, not bytes", "单位是元素个数，不是字节数"),
     "root_too": ("the root is a unit too ({root} elements here), gathered beside every other unit: take the largest "
