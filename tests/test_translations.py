@@ -238,6 +238,15 @@ def test_a_figure_is_drawn_again_in_chinese_and_only_when_its_english_changed(tm
     assert any("re-drawing 2 cell(s)" in line for line in logs)  # the figure's and the localized cell's
     said = [nbformat.read(p, 4).cells[-2].outputs[0]["text"] for p in (lesson, tr.target_path(lesson))]
     assert said == ["en\n", "zh\n"]  # the localized cell's output comes from the Chinese run
+    cells = len(nbformat.read(lesson, 4).cells)  # the localized cell is the last but one, the figure the last
+    before = tr._figure_shas(nbformat.read(lesson, 4), tmp_path)
+    catalog = tr.catalog_path(lesson, tmp_path)
+    catalog.write_text(catalog.read_text(encoding="utf-8") + "\n", encoding="utf-8")
+    after = tr._figure_shas(nbformat.read(lesson, 4), tmp_path)
+    assert before[cells - 2] != after[cells - 2], "a localized output is run again when a catalog changes"
+    assert before[cells - 1] == after[cells - 1] != [], "a figure is not"
+    assert [p.cell for p in tr.status(tmp_path)] == ["lang"]  # status says the localized cell is due
+    tr.build_all(tmp_path, log=logs.append)
     english = nbformat.read(lesson, 4).cells[-1].outputs
     chinese = nbformat.read(tr.target_path(lesson), 4).cells[-1].outputs
     png = [o["data"]["image/png"] for o in english if "image/png" in o.get("data", {})]

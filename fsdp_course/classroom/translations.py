@@ -196,9 +196,16 @@ def _strip_images(nb: Any) -> Any:
     return nb
 
 
-def _figure_shas(nb: Any) -> dict[int, list[str]]:
-    """Per code cell, what the Chinese run must redo: its figures' shas, or one sha of all its outputs if localized."""
-    return {i: [sha(json.dumps(c.outputs, sort_keys=True))] if _localized(c) else
+def _catalogs_sha(root: Path) -> str:
+    """The sha of every catalog's text: a localized output (lesson 00's map prints the Chinese titles) follows them."""
+    return sha("".join(p.read_text(encoding="utf-8") for p in sorted((root / "i18n" / LANG).glob("*/*.yml"))))
+
+
+def _figure_shas(nb: Any, root: Path = ROOT) -> dict[int, list[str]]:
+    """Per code cell, what the Chinese run must redo: its figures' shas, or, if localized, one sha of its English
+    outputs and of the catalogs."""
+    catalogs = _catalogs_sha(root) if any(_localized(c) for c in nb.cells) else ""
+    return {i: [sha(json.dumps(c.outputs, sort_keys=True) + catalogs)] if _localized(c) else
             [sha(o["data"][_IMAGE]) for o in c.get("outputs", []) if _IMAGE in o.get("data", {})]
             for i, c in enumerate(nb.cells) if c.cell_type == "code"}
 
@@ -251,11 +258,12 @@ def _notebook_problems(notebook: Path, root: Path) -> list[Problem]:
     built, saved = _translated(nb, catalog), nbformat.read(target, as_version=4)
     if _strip_images(built) != _strip_images(saved):
         return [Problem(rel_target, "", "out of date with its English notebook or catalog", "run `make translations`")]
-    english, chinese = _figure_shas(nb), _figure_shas(saved)
+    english, chinese = _figure_shas(nb, root), _figure_shas(saved, root)
     for i, cell in enumerate(saved.cells):
         if english.get(i) and not _drawn(cell, english[i]):
-            problems.append(Problem(rel_target, cell.id, "a figure is not drawn again from the current English "
-                                    "figure with the current Chinese figure texts", "run `make translations`"))
+            problems.append(Problem(rel_target, cell.id, "a figure (or a localized output) is not made again from "
+                                    "the current English one with the current Chinese texts",
+                                    "run `make translations`"))
         elif english.get(i) and len(chinese[i]) != len(english[i]):
             problems.append(Problem(rel_target, cell.id, "a figure is missing", "run `make translations`"))
     return problems
@@ -317,10 +325,10 @@ def build(notebook: Path, root: Path = ROOT, *, redraw: bool = True, timeout: fl
     out = _translated(nb, load_catalog(catalog_path(notebook, root)))
     target = target_path(notebook)
     saved = nbformat.read(target, as_version=4) if target.exists() else None
-    english = _figure_shas(nb)
+    english = _figure_shas(nb, root)
     stale = [i for i, shas in english.items() if shas and not (
         saved is not None and i < len(saved.cells) and _drawn(saved.cells[i], shas)
-        and len(_figure_shas(saved).get(i, [])) == len(shas))]
+        and len(_figure_shas(saved, root).get(i, [])) == len(shas))]
     fresh = None
     if stale and redraw:
         log(f"  re-drawing {len(stale)} cell(s) of {notebook.name} in Chinese (figures, localized outputs; running it)")
