@@ -159,10 +159,13 @@ def test_a_string_instead_of_the_function_is_refused() -> None:
 
 
 def test_run_forward_and_order_report_describe_both_orders() -> None:
-    for fn, when in ((serial, "after unit {p}'s compute ended"),
-                     (OVERLAP["forward_prefetch"], "before unit {p}'s compute began")):
-        runs = run_forward(fn, world_size=2)
-        assert len(runs) == 2 and all(len(r.spans) == 4 for r in runs)
+    for fn, when, words in ((serial, "after", "after unit {p}'s compute ended"),
+                            (OVERLAP["forward_prefetch"], "before", "before unit {p}'s compute began")):
+        runs = run_forward(fn, world_size=2, batch=256)
+        assert len(runs) == 2 and all(len(r.spans) == 4 and r.output.shape[0] == 256 for r in runs)
         assert torch.equal(runs[0].output, runs[1].output)
+        assert all(r.gather_starts() == {1: when, 2: when, 3: when} for r in runs)
         assert order_report(runs[0]).splitlines() == [
-            f"unit {i}'s all-gather started {when.format(p=i - 1)}" for i in (1, 2, 3)]
+            f"unit {i}'s all-gather started {words.format(p=i - 1)}" for i in (1, 2, 3)]
+    with pytest.raises(ValueError, match="batch must be a positive int"):
+        run_forward(serial, batch=0)

@@ -18,8 +18,9 @@ was. What is checked, on each rank, at world sizes 1 to 3:
 - the all-gather of unit i+1 starts before unit i's compute, and is not waited for before it (that would serialize
   the two again); and no unit further ahead is gathered yet (prefetch one unit: two units' parameters at once).
 
-`run_forward(fn, world_size)` runs any such function on simulated ranks and returns, per rank, its output, the
-compute spans and the ledger, for `viz.plot_overlap`; `order_report(run)` says in words when each gather started.
+`run_forward(fn, world_size, batch=...)` runs any such function on simulated ranks and returns, per rank, its output,
+the compute spans and the ledger, for `viz.plot_overlap`; `ForwardRun.gather_starts()` says when each gather started
+against the previous unit's compute, and `order_report(run)` says it in words, in the course's language.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import close, max_rel_diff
 from fsdp_course.fsdp.flat_param import FlatParamLayout
 from fsdp_course.fsdp.param_group import Span
+from fsdp_course.i18n import language
 from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.runtime.collectives import CollectiveWork
 from fsdp_course.runtime.context import RankContext
@@ -54,7 +56,7 @@ from fsdp_course.runtime.ledger import Record
 __all__ = ["ForwardRun", "check_forward_prefetch", "order_report", "run_forward"]
 
 WIDTHS = (48, 80, 32, 64, 16)  # four units: Linear(48, 80), Linear(80, 32), Linear(32, 64), Linear(64, 16)
-BATCH = 64
+BATCH = 64  # the checker's batch; a picture of overlap wants units that compute longer than a gather takes
 SEED = 13
 
 T = catalogue("overlap", {
@@ -125,6 +127,13 @@ T = catalogue("overlap", {
     "output_differs": ("the output differs from one process's", "输出与单进程的结果不同"),
     "pass_on": ("pass each unit's output on as the next unit's x, and return the last one",
                 "把每个单元的输出作为下一个单元的 x 传下去，并返回最后一个输出"),
+    # order_report's lines
+    "started_before": ("unit {i}'s all-gather started before unit {p}'s compute began",
+                       "单元 {i} 的全聚合在单元 {p} 开始计算之前就已启动"),
+    "started_during": ("unit {i}'s all-gather started while unit {p} computed",
+                       "单元 {i} 的全聚合在单元 {p} 计算期间启动"),
+    "started_after_end": ("unit {i}'s all-gather started after unit {p}'s compute ended",
+                          "单元 {i} 的全聚合在单元 {p} 计算结束之后才启动"),
     # what passed
     "passed": ("  {units} units: each unit's all-gather started before the previous unit's compute and was waited for "
                "just before use, one unit ahead; the output equals one process's",
@@ -151,11 +160,22 @@ class ForwardRun:
     gathered: dict[int, list[Record]] = field(default_factory=dict)  # unit -> its all-gathers (told by their bytes)
     problems: list[tuple[Message, Message]] = field(default_factory=list)  # (problem, hint) seen by compute, in order
 
+    def gather_starts(self) -> dict[int, str]:
+        """Unit i (from 1) -> when its all-gather started against unit i-1's compute: "before" it began, "during" it,
+        or "after" it ended. Prefetching one unit ahead gives "before" for every unit."""
+        spans = {int(s.unit.split()[-1]): s for s in self.spans}
+        starts = {}
+        for i in sorted(self.gathered):
+            if i > 0 and i - 1 in spans:
+                start, before = self.gathered[i][0].start, spans[i - 1]
+                starts[i] = "before" if start < before.start else "during" if start < before.end else "after"
+        return starts
+
 
 class _Chain:
     """The units: Linear layers with tanh between them, each one flat parameter (weight, bias) padded for N ranks."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, batch: int = BATCH) -> None:
         g = torch.Generator().manual_seed(SEED)
         self.params = []
         for fan_in, fan_out in zip(WIDTHS[:-1], WIDTHS[1:], strict=True):
@@ -163,7 +183,7 @@ class _Chain:
             self.params.append((w, torch.randn(fan_out, generator=g) * 0.1))
         self.layouts = [FlatParamLayout.build([("weight", w), ("bias", b)], world_size) for w, b in self.params]
         self.fulls = [layout.flatten([w, b]) for layout, (w, b) in zip(self.layouts, self.params, strict=True)]
-        self.x = torch.randn(BATCH, WIDTHS[0], generator=g)
+        self.x = torch.randn(batch, WIDTHS[0], generator=g)
         self.world_size = world_size
         self.bytes_of = {4 * layout.padded_numel: i for i, layout in enumerate(self.layouts)}
         assert len(self.bytes_of) == len(self.layouts), "units of distinct sizes: a gather's bytes name its unit"
@@ -285,25 +305,22 @@ def _run(check: str, name: str, fn: Callable[..., Any], chain: _Chain) -> list[F
         kept.clear()  # here, in the caller's thread
 
 
-def run_forward(fn: Callable[..., Any], world_size: int = 2) -> list[ForwardRun]:
-    """Run `fn(ctx, shards, compute, x)` on `world_size` simulated ranks with the exercise's units; per rank its
-    output, its compute spans and its collectives (draw them with `viz.plot_overlap([(r.spans, r.records) ...])`)."""
+def run_forward(fn: Callable[..., Any], world_size: int = 2, *, batch: int = BATCH) -> list[ForwardRun]:
+    """Run `fn(ctx, shards, compute, x)` on `world_size` simulated ranks with the exercise's units on `batch` rows;
+    per rank its output, its compute spans and its collectives (draw them with
+    `viz.plot_overlap([(r.spans, r.records) ...])`). A large batch makes each unit compute longer than a gather."""
     name = require_callable("run_forward", fn, "forward_serial")
-    return _run("run_forward", name, fn, _Chain(world_size))
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"run_forward: batch must be a positive int (rows of x), got {batch!r}")
+    return _run("run_forward", name, fn, _Chain(world_size, batch))
 
 
 def order_report(run: ForwardRun) -> str:
-    """In words, for one rank's run: when each unit's all-gather started, against the previous unit's compute."""
-    spans = {int(s.unit.split()[-1]): s for s in run.spans}
-    lines = []
-    for i in sorted(run.gathered):
-        if i == 0 or i - 1 not in spans:
-            continue
-        start, before = run.gathered[i][0].start, spans[i - 1]
-        when = ("before unit {p}'s compute began" if start < before.start else
-                "while unit {p} computed" if start < before.end else "after unit {p}'s compute ended")
-        lines.append(f"unit {i}'s all-gather started {when.format(p=i - 1)}")
-    return "\n".join(lines)
+    """In words, in the course's language, for one rank's run: when each unit's all-gather started, against the
+    previous unit's compute (`run.gather_starts()` says it as data)."""
+    lang = language()
+    return "\n".join(T({"before": "started_before", "during": "started_during", "after": "started_after_end"}[when],
+                       i=i, p=i - 1).render(lang) for i, when in run.gather_starts().items())
 
 
 def check_forward_prefetch(fn: Callable[..., Any], world_sizes: Sequence[int] = (1, 2, 3)) -> None:
