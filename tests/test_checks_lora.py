@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from reference_solutions import fails, load, passes
 from torch import nn
 
-from fsdp_course.classroom.checks import check_lora_linear
+from fsdp_course.classroom.checks import check_kept_bytes, check_lora_linear
 from fsdp_course.classroom.checks.lora import _under_fsdp
 from fsdp_course.lora import LoRALinear as LibraryLoRALinear
 
@@ -211,3 +211,40 @@ def test_bad_arguments() -> None:
         check_lora_linear("LoRALinear")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="world_sizes must be positive ints"):
         check_lora_linear(Reference, world_sizes=(0,))
+
+
+def kept(units, n, *, pieces=lambda k, n: math.ceil(k / n), frozen_params=True, frozen_grads=False,
+         frozen_state=False, moments=2, step=4):
+    """The solution's kept_bytes, one thing changeable at a time, as a learner would get it wrong."""
+    flats = [flat for handles in units.values() for flat in handles]
+    t = sum(pieces(k, n) for k, trainable in flats if trainable)
+    f = sum(pieces(k, n) for k, trainable in flats if not trainable)
+    flats_t = sum(trainable for _, trainable in flats)
+    return {"sharded_params": 4 * (t + (f if frozen_params else 0)),
+            "sharded_grads": 4 * (t + (f if frozen_grads else 0)),
+            "optimizer": 4 * moments * (t + (f if frozen_state else 0)) + step * flats_t}
+
+
+def test_kept_bytes_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    out = passes(check_kept_bytes, FINETUNE["kept_bytes"], capsys=capsys)
+    assert "made-up layouts" in out
+    passes(check_kept_bytes, kept, capsys=capsys, world_sizes=(2,))
+
+
+@pytest.mark.parametrize("planted, says, fields", [
+    (lambda u, n: kept(u, n, frozen_params=False), "lora.kept_frozen_left_out", {}),
+    (lambda u, n: kept(u, n, pieces=lambda k, n: k), "lora.kept_whole", {}),
+    (lambda u, n: kept(u, n, pieces=lambda k, n: k / n), "lora.kept_unpadded",
+     {"category": "sharded_params", "short": 6, "n": 2}),
+    (lambda u, n: kept(u, n, pieces=lambda k, n: k // n), "lora.kept_unpadded", {"category": "sharded_params", "n": 2}),
+    (lambda u, n: kept(u, n, frozen_grads=True), "lora.kept_frozen_grad", {}),
+    (lambda u, n: kept(u, n, frozen_state=True), "lora.kept_frozen_state", {}),
+    (lambda u, n: kept(u, n, moments=1), "lora.kept_one_moment", {}),
+    (lambda u, n: kept(u, n, step=0), "lora.kept_no_step", {"short": 8}),
+    (lambda u, n: {"params": 0}, "lora.kept_keys", {}),
+    (lambda u, n: 0, "lora.kept_not_dict", {"shown": "int"}),
+    (lambda u, n: {**kept(u, n), "optimizer": None}, "lora.kept_not_number", {"category": "optimizer"}),
+])
+def test_kept_bytes_planted_mistakes_name_the_mistake(planted, says: str, fields: dict,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_kept_bytes, planted, says=says, fields=fields, capsys=capsys, world_sizes=(2,))

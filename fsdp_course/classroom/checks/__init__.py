@@ -17,12 +17,13 @@ or prints exactly what failed (world size, rank, step, tensor, difference) with 
     09 model pitfalls         check_forward_logits, check_make_samples (ids into the embedding, logits per sample)
     10 distributed pitfalls   check_clip_grad_norm, check_train_step
     11 real fsdp     check_fully_shard_units (fully_shard on the course's units, under torchrun)
-    12 mixed precision        check_found_inf, check_update_scale (fp16 loss scaling over shards)
-    13 overlap                check_forward_prefetch (forward prefetching with async all-gathers)
-    14 hsdp                   check_hsdp_grad (HSDP's reduce-scatter in the row, all-reduce across the column)
-    15 finetune               check_lora_linear (a LoRA layer, then fine-tuned under FSDP)
-    16 budget                 check_device_peak, check_smallest_world_size, check_bytes_sent, check_comm_seconds
-    17 checkpoints            check_dim0_chunks (a unit's flat parameter cut into Shard(0) rows, DCP's layout)
+    13 loss scaling           check_found_inf, check_update_scale (fp16 loss scaling over shards)
+    14 overlap                check_forward_prefetch (forward prefetching with async all-gathers)
+    16 hsdp                   check_hsdp_grad (HSDP's reduce-scatter in the row, all-reduce across the column)
+    17 finetune               check_lora_linear (a LoRA layer, then fine-tuned under FSDP), check_kept_bytes (what a
+                              rank keeps with a frozen base, against the bytes measured)
+    18 offload                check_device_peak, check_smallest_world_size, check_bytes_sent, check_comm_seconds
+    19 checkpoints            check_dim0_chunks (a unit's flat parameter cut into Shard(0) rows, DCP's layout)
 """
 
 from fsdp_course.classroom.checks._common import (
@@ -46,7 +47,7 @@ from fsdp_course.classroom.checks.ddp import check_broadcast_parameters, check_d
 from fsdp_course.classroom.checks.flat_param import check_flat_param
 from fsdp_course.classroom.checks.fsdp_unit import check_fsdp_unit
 from fsdp_course.classroom.checks.hsdp import check_hsdp_grad
-from fsdp_course.classroom.checks.lora import check_lora_linear
+from fsdp_course.classroom.checks.lora import check_kept_bytes, check_lora_linear
 from fsdp_course.classroom.checks.memory import check_zero_memory
 from fsdp_course.classroom.checks.mixed_precision import check_found_inf, check_update_scale
 from fsdp_course.classroom.checks.model_pitfalls import check_forward_logits, check_make_samples
@@ -75,6 +76,7 @@ __all__ = [
     "check_fsdp_unit",
     "check_fully_shard_units",
     "check_hsdp_grad",
+    "check_kept_bytes",
     "check_lora_linear",
     "check_make_samples",
     "check_predicted_peak",

@@ -39,10 +39,12 @@ from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import ADAMW, Case, Trainee, check_equivalence, digits_batches
 from fsdp_course.fsdp.api import FSDP
 from fsdp_course.i18n.messages import Message, catalogue
+from fsdp_course.lora import add_lora
+from fsdp_course.memory import measure
 from fsdp_course.models import TransformerClassifier, TransformerConfig
-from fsdp_course.runtime.simulate import RankError
+from fsdp_course.runtime.simulate import RankError, run_ranks
 
-__all__ = ["check_lora_linear"]
+__all__ = ["check_kept_bytes", "check_lora_linear"]
 
 IN, OUT, RANK, ALPHA = 6, 5, 2, 4.0  # scaling alpha / rank = 2.0
 TOL = 1e-5
@@ -150,6 +152,58 @@ T = catalogue("lora", {
                        "rank {rank}：冻结的 {name} 在训练中改变了"),
     "stay_frozen": ("the base must stay frozen: requires_grad False, so it gets no gradient and no step",
                     "基座必须保持冻结：requires_grad 为 False，这样它既得不到梯度，也不会被更新"),
+    # check_kept_bytes: what one rank keeps after an AdamW step
+    "kept_not_dict": ("returned {shown}, not a dict of the three categories", "返回了 {shown}，而不是三个类别的字典"),
+    "kept_keys": ("the keys are {got}, expected {expected}", "键是 {got}，应为 {expected}"),
+    "kept_return": ("return {{\"sharded_params\": ..., \"sharded_grads\": ..., \"optimizer\": ...}}: bytes, as ints",
+                    "返回 {{\"sharded_params\": ..., \"sharded_grads\": ..., \"optimizer\": ...}}：字节数，"
+                    "整数"),
+    "kept_not_number": ("{category} is {shown}, not a number of bytes", "{category} 是 {shown}，不是字节数"),
+    "kept_round": ("a rank holds whole elements: round each flat parameter's piece up (ceil(n / N)), then multiply "
+                   "by the bytes per element",
+                   "每个 rank 持有的是整数个元素：把每个展平参数的那一份向上取整（ceil(n / N)），再乘以每个元素的"
+                   "字节数"),
+    "kept_differs": ("{category}: expected {expected:,} bytes per rank, got {got:,}",
+                     "{category}：每个 rank 应为 {expected:,} 字节，得到 {got:,}"),
+    "kept_frozen_left_out": ("the frozen flat parameters are left out of the parameters: they are sharded too, every "
+                             "rank keeps 1/N of each (frozen means never updated, not never stored)",
+                             "参数里漏掉了冻结的展平参数：它们同样被分片，每个 rank 保存每个的 1/N"
+                             "（冻结的意思是从不更新，而不是从不存储）"),
+    "kept_whole": ("that is the whole of it on every rank: FSDP keeps 1/N of each flat parameter per rank, and its "
+                   "reduce-scatter leaves 1/N of each gradient; AdamW's state follows the shards it updates",
+                   "这是每个 rank 都保存了一整份：FSDP 让每个 rank 只保存每个展平参数的 1/N，reduce-scatter 也只给它"
+                   "留下每个梯度的 1/N；AdamW 的状态跟随它更新的那些分片"),
+    "kept_unpadded": ("{category} is {short:,} bytes short, the padding: at N = {n}, FSDP pads each flat parameter "
+                      "to a multiple of N on its own, so a rank's piece of n elements is ceil(n / N) elements, not "
+                      "n / N (and not the padded total of all of them)",
+                      "{category} 少了 {short:,} 字节，正是填充：N = {n} 时，FSDP 把每个展平参数各自填充到 N 的"
+                      "整数倍，所以 n 个元素中一个 rank 的那份是 ceil(n / N) 个元素，而不是 n / N"
+                      "（也不是把全部加起来再填充）"),
+    "kept_frozen_grad": ("a frozen flat parameter gets no gradient: only the trainable ones are reduce-scattered into "
+                         "a sharded gradient",
+                         "冻结的展平参数没有梯度：只有可训练的展平参数会经 reduce-scatter 得到分片梯度"),
+    "kept_frozen_state": ("AdamW keeps state only for the parameters it updates: the trainable shards, not the frozen "
+                          "ones",
+                          "AdamW 只为它更新的参数保存状态：可训练的分片，而不是冻结的分片"),
+    "kept_one_moment": ("AdamW keeps two moments per trainable element (exp_avg and exp_avg_sq): 8 bytes in fp32, "
+                        "not 4",
+                        "AdamW 为每个可训练元素保存两个矩（exp_avg 和 exp_avg_sq）：fp32 下是 8 字节，而不是 4"),
+    "kept_no_step": ("the optimizer is {short:,} bytes short: AdamW also keeps a step count, one 4-byte tensor per "
+                     "parameter it updates (here, one per trainable flat parameter)",
+                     "optimizer 少了 {short:,} 字节：AdamW 还保存一个步数计数，每个被它更新的参数一个 4 字节张量"
+                     "（这里是每个可训练展平参数一个）"),
+    "kept_recount": ("recount: which flat parameters does this category hold on a rank, and how many elements of each?",
+                     "重新数一数：这个类别在一个 rank 上包含哪些展平参数，每个有多少个元素？"),
+    "kept_measured": ("rank {rank}: you predicted {got:,} bytes of {category}, the run measured {measured:,}",
+                      "rank {rank}：你预测 {category} 为 {got:,} 字节，实际测得 {measured:,}"),
+    "kept_same_units": ("compute from the units and world size you are given only (the run's units are in the details)",
+                        "只根据给你的单元和 world size 来计算（这次运行的单元见详细信息）"),
+    "kept_passed": ("  {cases} made-up layouts at 1 to 3 ranks, then a LoRA fine-tuning step under FSDP: your "
+                    "prediction is the bytes measured on every rank at world sizes {sizes} (e.g. {lora:,} bytes kept "
+                    "per rank of 2, where full fine-tuning would keep {full:,})",
+                    "  1 到 3 个 rank 上的 {cases} 个构造布局，然后是 FSDP 下的一步 LoRA 微调：你的预测就是每个 rank "
+                    "上测得的字节数，world size 为 {sizes}（例如 2 个 rank 时每个 rank 保存 {lora:,} 字节，"
+                    "而全量微调要保存 {full:,}）"),
     # what passed
     "passed": ("  the base frozen, B zero at step 0 (the output is the base's, bit for bit, and follows the base's "
                "weights when they are swapped), the scaled update and its gradients as the formula's; under FSDP the "
@@ -166,8 +220,9 @@ def _linear(seed: int = 0) -> nn.Linear:
         return nn.Linear(IN, OUT)
 
 
-def _fail(where: str, problem: Message, hint: Message, details: list[str] | None = None) -> None:
-    CheckFailure("check_lora_linear", where, problem, hint, details or []).fail()
+def _fail(where: str, problem: Message, hint: Message, details: list[str] | None = None,
+          check: str = "check_lora_linear") -> None:
+    CheckFailure(check, where, problem, hint, details or []).fail()
 
 
 def _structure(module: Any, base: nn.Linear, values: dict[str, torch.Tensor], where: str) -> None:
@@ -359,3 +414,114 @@ def check_lora_linear(cls: Callable[..., nn.Module], world_sizes: Sequence[int] 
     _under_fsdp(cls, sizes)
     say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
         T("passed"))
+
+
+KEPT = ("sharded_params", "sharded_grads", "optimizer")
+KEPT_CHECK = "check_kept_bytes"
+Units = dict[str, list[tuple[int, bool]]]  # unit label -> its flat parameters, (numel before padding, trainable)
+KEPT_CASES: list[tuple[Units, int]] = [(units, n) for n in (1, 2, 3) for units in (
+    {"root": [(166, True), (2_657, False)], "layers.0": [(1_281, True), (12_703, False)]},
+    {"root": [(10, True)], "layers.0": [(7, False)], "layers.1": [(5, True), (4, False)]},
+)]
+
+
+def _kept_bytes(units: Units, world_size: int, *, grads_of_frozen: bool = False, state_of_frozen: bool = False,
+                frozen_params: bool = True, pieces: str = "ceil", sharded: bool = True, moments: int = 2,
+                step: bool = True, step_of_frozen: bool = False) -> dict[str, float]:
+    """The bytes one rank keeps after an AdamW step in fp32 (the defaults), or a known mistake (a keyword changed)."""
+    n = world_size if sharded else 1
+    flats = [(numel, trainable) for handles in units.values() for numel, trainable in handles]
+
+    def piece(numels: list[int]) -> float:  # elements of one rank's pieces: each rounded up (right), or not
+        return {"ceil": lambda: sum(-(-k // n) for k in numels), "floor": lambda: sum(k // n for k in numels),
+                "exact": lambda: sum(numels) / n, "total": lambda: -(-sum(numels) // n)}[pieces]()
+
+    trainable = [k for k, t in flats if t]
+    frozen = [k for k, t in flats if not t]
+    return {"sharded_params": 4 * piece(trainable + (frozen if frozen_params else [])),
+            "sharded_grads": 4 * piece(trainable + (frozen if grads_of_frozen else [])),
+            "optimizer": 4 * moments * piece(trainable + (frozen if state_of_frozen else []))
+            + 4 * step * (len(trainable) + (len(frozen) if step_of_frozen else 0))}
+
+
+KEPT_MISTAKES: list[tuple[dict[str, Any], Callable[[str, int, int], Message]]] = [  # the mistake as _kept_bytes'
+    ({"frozen_params": False}, lambda category, short, n: T("kept_frozen_left_out")),  # keywords, and its hint
+    ({"sharded": False}, lambda category, short, n: T("kept_whole")),
+    ({"pieces": "exact"}, lambda category, short, n: T("kept_unpadded", category=category, short=short, n=n)),
+    ({"pieces": "floor"}, lambda category, short, n: T("kept_unpadded", category=category, short=short, n=n)),
+    ({"pieces": "total"}, lambda category, short, n: T("kept_unpadded", category=category, short=short, n=n)),
+    ({"grads_of_frozen": True}, lambda category, short, n: T("kept_frozen_grad")),
+    ({"state_of_frozen": True}, lambda category, short, n: T("kept_frozen_state")),
+    ({"state_of_frozen": True, "step_of_frozen": True}, lambda category, short, n: T("kept_frozen_state")),
+    ({"moments": 1}, lambda category, short, n: T("kept_one_moment")),
+    ({"step": False}, lambda category, short, n: T("kept_no_step", short=short)),
+]
+
+
+def _judge_kept(where: str, got: Any, units: Units, n: int) -> None:
+    if not isinstance(got, dict):
+        _fail(where, T("kept_not_dict", shown=type(got).__name__), T("kept_return"), check=KEPT_CHECK)
+    if sorted(map(str, got)) != sorted(KEPT):
+        _fail(where, T("kept_keys", got=sorted(map(str, got)), expected=sorted(KEPT)), T("kept_return"),
+              check=KEPT_CHECK)
+    for category in KEPT:
+        if isinstance(got[category], bool) or not isinstance(got[category], int | float):
+            _fail(where, T("kept_not_number", category=category, shown=repr(got[category])), T("kept_return"),
+                  check=KEPT_CHECK)
+    expected = _kept_bytes(units, n)
+    for category in KEPT:
+        value = got[category]
+        if value == expected[category]:
+            continue
+        problem = T("kept_differs", category=category, expected=int(expected[category]), got=value)
+        gap = expected[category] - value
+        short = int(gap) if gap == int(gap) else round(gap, 1)
+        for keywords, hint in KEPT_MISTAKES:
+            if _kept_bytes(units, n, **keywords)[category] == value:
+                _fail(where, problem, hint(category, short, n), check=KEPT_CHECK)
+        _fail(where, problem, T("kept_round") if value != int(value) else T("kept_recount"), check=KEPT_CHECK)
+
+
+def _measured_kept(n: int) -> list[tuple[Units, dict[str, int]]]:
+    """Per rank: the units of a tiny Transformer with LoRA adapters under FSDP, and the bytes measured after one
+    AdamW step (before zero_grad)."""
+    def body(ctx: Any) -> tuple[Units, dict[str, int]]:
+        torch.manual_seed(0)
+        model = TransformerClassifier(TransformerConfig.tiny())
+        add_lora(model, rank=RANK, alpha=ALPHA, trainable="fc", generator=torch.Generator().manual_seed(1))
+        fsdp = FSDP(model, ctx, wrap={nn.TransformerEncoderLayer})
+        optimizer = torch.optim.AdamW([p for p in fsdp.parameters() if p.requires_grad], lr=1e-2)
+        F.cross_entropy(fsdp(torch.zeros(2, 64, dtype=torch.long)), torch.tensor([3, 7])).backward()
+        optimizer.step()
+        units = {u.label: [(h.layout.numel, h.requires_grad) for h in u.handles] for u in fsdp.units}
+        snapshot = measure(fsdp, optimizer)
+        return units, {k: snapshot.get(k, 0) for k in KEPT}
+
+    return run_ranks(body, n, timeout=60)
+
+
+def check_kept_bytes(fn: Callable[..., Any], world_sizes: Sequence[int] = (2, 3)) -> None:
+    """Check `fn(units, world_size) -> {"sharded_params", "sharded_grads", "optimizer": bytes}`: what one rank keeps
+    after an AdamW step in fp32 under FSDP, each unit's flat parameters given as (numel, trainable). Made-up layouts at
+    1 to 3 ranks first (each known mistake named), then the bytes measured on every rank of a LoRA fine-tuning step."""
+    check = KEPT_CHECK
+    name = require_callable(check, fn, "kept_bytes")
+    sizes = require_world_sizes(world_sizes)
+    for units, n in KEPT_CASES:
+        where = f"{name}({units}, {n})"
+        _judge_kept(where, call_learner(check, name, fn, copy.deepcopy(units), n, where=where), units, n)
+    lora = full = 0
+    for n in sizes:
+        for rank, (units, measured) in enumerate(_measured_kept(n)):
+            where = f"a LoRA fine-tuning step under FSDP, world size {n}, rank {rank}"
+            got = call_learner(check, name, fn, copy.deepcopy(units), n, where=where)
+            _judge_kept(where, got, units, n)
+            for category in KEPT:
+                if got.get(category) != measured[category]:
+                    _fail(where, T("kept_measured", rank=rank, got=got.get(category), category=category,
+                                   measured=measured[category]), T("kept_same_units"), [f"units: {units}"], KEPT_CHECK)
+            if n == 2 and rank == 0:
+                lora = sum(measured.values())
+                full = int(sum(_kept_bytes({u: [(k, True) for k, _ in h] for u, h in units.items()}, n).values()))
+    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
+        T("kept_passed", cases=len(KEPT_CASES), sizes=", ".join(map(str, sizes)), lora=lora, full=full))
