@@ -359,7 +359,8 @@ def check_device_peak(fn: Callable[[int, int, int, bool, int], float]) -> None:
     psi, unit = _run_psi()
     rows = []
     for offload in (False, True):
-        predicted = float(fn(psi, 2, 3, offload, unit))
+        where = f"{name}({psi}, 2, 3, {offload}, {unit})"
+        predicted = _number(check, where, call_learner(check, name, fn, psi, 2, 3, offload, unit, where=where))
         capacity = int(predicted) + RUN_ACTIVATIONS
         ran = run_with_budget(2, offload, capacity)
         the_run = T("the_run", model=f"MLP{list(RUN_SIZES)}", psi=psi, offload=T("with_offload") if offload else "")
@@ -488,7 +489,8 @@ def check_smallest_world_size(fn: Callable[[int, int, float, int, bool], int | N
     confirmed: dict[bool, Message] = {}
     sizes: set[int] = set()
     for offload in (False, True):
-        n = fn(psi, unit, RUN_CAPACITY - RUN_ACTIVATIONS, 3, offload)
+        asked = f"{name}({psi}, {unit}, {RUN_CAPACITY - RUN_ACTIVATIONS}, 3, {offload})"
+        n = call_learner(check, name, fn, psi, unit, RUN_CAPACITY - RUN_ACTIVATIONS, 3, offload, where=asked)
         where = f"the run: MLP{list(RUN_SIZES)}, ZeRO-3{' with offload' if offload else ''}, {RUN_CAPACITY:,} B"
         ran = run_with_budget(int(n), offload, RUN_CAPACITY)
         if not ran[0]["fits"]:
@@ -527,7 +529,8 @@ def check_bytes_sent(fn: Callable[[int, int, int], float]) -> None:
     for n in (2, 3):
         padded = sum(-(-u // n) * n for u in psi_units)
         sent = run_with_budget(n, False, 2**40, steps=1)[0]["sent"]
-        got = float(fn(padded, n, 3))
+        asked = f"{name}({padded}, {n}, 3)"
+        got = _number(check, asked, call_learner(check, name, fn, padded, n, 3, where=asked))
         if not _close(got, sent):
             CheckFailure(check, f"the run: ZeRO-3 on {n} ranks, {padded:,} padded parameters",
                          T("ledger_bytes", got=got, sent=sent), T("see_formula")).fail()
@@ -608,7 +611,10 @@ def check_comm_seconds(fn: Callable[[int, int, int, float, float], float]) -> No
     for n in (2, 3):
         padded = units * (-(-unit_numel // n) * n)
         ran = run_with_budget(n, False, 2**40, steps=1)[0]
-        steps, sent = float(fn(padded, n, units, 1.0, 0.0)), float(fn(padded, n, units, 0.0, 1.0))
+        steps, sent = (_number(check, f"{name}({padded}, {n}, {units}, {a}, {b})",
+                               call_learner(check, name, fn, padded, n, units, a, b,
+                                            where=f"{name}({padded}, {n}, {units}, {a}, {b})"))
+                       for a, b in ((1.0, 0.0), (0.0, 1.0)))
         if not (_close(steps, ran["ring_steps"]) and _close(sent, ran["sent"])):
             CheckFailure(check, f"the run: ZeRO-3 on {n} ranks, {units} units",
                          T("ledger_steps", steps=steps, sent=sent, ledger_steps=ran["ring_steps"],
