@@ -42,6 +42,12 @@ def never_pads(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
     return ctx.all_gather(ctx.reduce_scatter(tensor.reshape(-1))).reshape(tensor.shape)
 
 
+def cuts_down(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.reshape(-1)
+    kept = flat[: flat.numel() // ctx.world_size * ctx.world_size]  # rounds the length down instead of padding up
+    return ctx.all_gather(ctx.reduce_scatter(kept))[: flat.numel()].reshape(tensor.shape)
+
+
 def uses_all_reduce(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
     return ctx.all_reduce(tensor.clone())
 
@@ -78,6 +84,7 @@ def test_world_sizes_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
     (keeps_padding, "common.padding_left", {}),
     (keeps_padding_then_reshapes, "common.gathered_padding", {}),
     (never_pads, "common.divisible", {}),
+    (cuts_down, "common.cut_short", {}),
     (uses_all_reduce, "collectives.only_rs_ag", {}),
     (returns_own_chunk, "collectives.rs_then_ag", {}),
     (pads_by_rank, "collectives.mismatch", {}),
