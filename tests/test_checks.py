@@ -311,10 +311,37 @@ def ring_all_gather_sends_unfinished_chunks(ctx: RankContext, tensor: torch.Tens
     return buf[: tensor.numel()].reshape(tensor.shape)
 
 
-def test_ring_all_gather_of_unfinished_chunks_is_named_beside_the_overwriting_recv(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    fails(check_ring_all_reduce, ring_all_gather_sends_unfinished_chunks, world_sizes=(2,),
-          says="collectives.or_unfinished", fields={"missing": "collectives.missing"}, capsys=capsys)
+def ring_adds_into_the_chunk_just_sent(ctx: RankContext, tensor: torch.Tensor) -> torch.Tensor:
+    """The reduce-scatter half adds what arrives into the chunk the rank has just sent (off by one)."""
+    n, r = ctx.world_size, ctx.rank
+    buf, chunks = _ring_pad(ctx, tensor)
+    incoming = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        work = ctx.group.send([chunks[(r - step) % n]], (r + 1) % n, step)
+        ctx.group.recv([incoming], (r - 1) % n, step).wait()
+        work.wait()
+        chunks[(r - step) % n].add_(incoming)
+    _ring_all_gather(ctx, chunks)
+    return buf[: tensor.numel()].reshape(tensor.shape)
+
+
+@pytest.mark.parametrize(("fn", "n", "says"), [
+    (ring_all_gather_sends_unfinished_chunks, 2, "collectives.or_unfinished"),  # the same numbers as the next
+    (ring_recv_overwrites, 2, "collectives.or_unfinished"),  # mistake's at any N: the hint names both
+    (ring_adds_into_the_chunk_just_sent, 2, "collectives.ring_added_into_sent"),
+    (ring_adds_into_the_chunk_just_sent, 3, "collectives.ring_added_into_sent"),
+])
+def test_ring_wrong_chunk_schedules_are_named(fn: object, n: int, says: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_ring_all_reduce, fn, world_sizes=(n,), says=says, capsys=capsys)
+
+
+def test_ring_schedule_is_the_ring_and_two_mistakes_give_the_same_numbers() -> None:
+    from fsdp_course.classroom.checks.collectives import ring_schedule
+    inputs = [torch.arange(7.0) * (r + 1) for r in range(3)]
+    assert all(torch.equal(out, sum(inputs)) for out in ring_schedule(inputs, 3))
+    early = ring_schedule(inputs, 3, ag_send=lambda r, s, n: (r - s) % n, ag_recv=lambda r, s, n: (r - s - 1) % n)
+    assert all(torch.equal(a, b) for a, b in zip(early, ring_schedule(inputs, 3, overwrite=True), strict=True))
 
 
 def test_ring_recv_that_overwrites_names_the_missing_contributions(capsys: pytest.CaptureFixture[str]) -> None:

@@ -125,6 +125,11 @@ T = catalogue("collectives", {
                       "reduce-scatter half, rank r holds the whole sum of chunk (r + 1) % N, the chunk it sends first",
                       "{missing}；也可能是全聚合那一半发出了尚未完成的分块：归约分散那一半结束后，"
                       "rank r 持有分块 (r + 1) % N 的完整总和，也就是它最先发送的那一块"),
+    "ring_added_into_sent": ("in the reduce-scatter half, the chunk received at step s is added into the chunk "
+                             "this rank has just sent, (r - s) % N; it is the left neighbour's chunk "
+                             "(r - s - 1) % N, and that is where it belongs",
+                             "在归约分散那一半，第 s 步收到的分块被加到了本 rank 刚刚发出的分块 (r - s) % N 上；"
+                             "它是左邻居的分块 (r - s - 1) % N，应当加到那里"),
     # what passed
     "exact_sum": ("  input shapes {shapes}: every rank holds the exact sum",
                   "  输入形状 {shapes}：每个 rank 都得到了精确的和"),
@@ -224,7 +229,7 @@ def _check_one_all_reduce(check: str, n: int, shape: tuple[int, ...], inputs: li
     padded = padded_numel(expected.numel(), n)
     where = f"world size {n}, input shape {shape}"
     for rank, (got, records, modified) in enumerate(outputs):
-        _check_values(check, where, n, rank, inputs, expected, got, padded)
+        _check_values(check, where, n, rank, inputs, expected, got, padded, _ring_mistake(inputs, n, rank, got))
         if modified:
             _input_modified(check, where, rank)
         ops = [r.op for r in records]
@@ -347,6 +352,48 @@ def check_ring_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor
             T("ring_sent", count=2 * (n - 1), chunk=chunk_bytes, sent=2 * (n - 1) * chunk_bytes, padded=padded * 4))
 
 
+RingIndex = Callable[[int, int, int], int]  # (rank, step, N) -> a chunk index
+RING = {"rs_send": lambda r, s, n: (r - s) % n, "rs_add": lambda r, s, n: (r - s - 1) % n,
+        "ag_send": lambda r, s, n: (r + 1 - s) % n, "ag_recv": lambda r, s, n: (r - s) % n}
+RING_MISTAKES: list[tuple[dict[str, Any], Callable[[], Message]]] = [  # RING's indices changed, and the hint
+    # (a mistake is listed only where its numbers are its own: see ring_schedule's `overwrite`)
+    ({"rs_add": lambda r, s, n: (r - s) % n}, lambda: T("ring_added_into_sent")),
+]
+
+
+def ring_schedule(inputs: list[torch.Tensor], n: int, overwrite: bool = False,
+                  **changed: RingIndex) -> list[torch.Tensor]:
+    """Every rank's result of a ring all-reduce that follows RING's chunk indices (or `changed` ones), computed
+    without communication: what a learner's ring with that schedule returns. `overwrite`: the reduce-scatter half
+    receives into the chunk instead of adding to it (the same numbers as an all-gather half that starts one chunk
+    early, which is why that mistake's hint names both)."""
+    index = {**RING, **changed}
+    shape, numel = inputs[0].shape, inputs[0].numel()
+    c = padded_numel(numel, n) // n
+    bufs = [list(torch.cat([x.reshape(-1), x.new_zeros(c * n - numel)]).chunk(n)) for x in inputs]
+    for s in range(n - 1):
+        sent = [bufs[r][index["rs_send"](r, s, n)].clone() for r in range(n)]
+        for r in range(n):
+            k = index["rs_add"](r, s, n)
+            bufs[r][k] = sent[(r - 1) % n] if overwrite else bufs[r][k] + sent[(r - 1) % n]
+    for s in range(n - 1):
+        sent = [bufs[r][index["ag_send"](r, s, n)].clone() for r in range(n)]
+        for r in range(n):
+            bufs[r][index["ag_recv"](r, s, n)] = sent[(r - 1) % n]
+    return [torch.cat(b)[:numel].reshape(shape) for b in bufs]
+
+
+def _ring_mistake(inputs: list[torch.Tensor], n: int, rank: int, got: Any) -> Message | None:
+    """The hint of the known wrong schedule whose result is `got` on this rank, if exactly one is (two mistakes can
+    give the same numbers: then the chunk-by-chunk diagnosis speaks)."""
+    if not isinstance(got, torch.Tensor) or got.shape != inputs[0].shape:
+        return None
+    value = got.detach().to(inputs[0].dtype)
+    hints = {hint().id: hint() for changed, hint in RING_MISTAKES
+             if torch.equal(value, ring_schedule(inputs, n, **changed)[rank])}
+    return next(iter(hints.values())) if len(hints) == 1 else None
+
+
 def _check_one_ring(check: str, n: int, shape: tuple[int, ...], inputs: list[torch.Tensor],
                     outputs: list[tuple[Any, list[tuple[str, int, int]], list[str], bool]]) -> None:
     expected = torch.stack(inputs).sum(0)
@@ -375,7 +422,7 @@ def _check_one_ring(check: str, n: int, shape: tuple[int, ...], inputs: list[tor
                 hint = T("too_few")
             CheckFailure(check, where, T("send_count", rank=rank, sends=len(sends), sent=sent, recvs=len(recvs)),
                          hint, [f"expected {expect}"]).fail()
-        _check_values(check, where, n, rank, inputs, expected, got, padded)
+        _check_values(check, where, n, rank, inputs, expected, got, padded, _ring_mistake(inputs, n, rank, got))
         if modified:
             _input_modified(check, where, rank)
 
@@ -386,7 +433,8 @@ def _input_modified(check: str, where: str, rank: int) -> None:
 
 
 def _check_values(check: str, where: str, n: int, rank: int, inputs: list[torch.Tensor], expected: torch.Tensor,
-                  got: Any, padded: int) -> None:
+                  got: Any, padded: int, known: Message | None = None) -> None:
+    """Fail unless `got` is the sum; `known`: the hint of a known mistake that `got` is, which names it best."""
     found = compare_tensor(expected, got, world_size=n, rank=rank, padded_numel=padded)
     if found is None:
         return
@@ -397,6 +445,7 @@ def _check_values(check: str, where: str, n: int, rank: int, inputs: list[torch.
         if diagnosis is not None:
             lines, hint = diagnosis
             details += [f"on rank {rank}: {line}" for line in lines]
+    hint = known or hint
     CheckFailure(check, where, problem, hint, details).fail()
 
 
