@@ -3,11 +3,15 @@
 The first test is the one an author meets: it fails when an English markdown cell changed since it was translated,
 when a cell has no translation, or when a Chinese notebook is missing or out of date, and says what to run. The
 rest check the machinery on a small course made in a temporary folder, and `fsdp_course.i18n` (which language,
-figure text translated at draw time, the CJK font and its fallback).
+figures that write their words in it, the CJK font and its fallback).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
+import pkgutil
 import re
 import warnings
 from pathlib import Path
@@ -16,11 +20,10 @@ import matplotlib
 import nbformat
 import pytest
 
-from fsdp_course import i18n
+from fsdp_course import i18n, viz
 from fsdp_course.classroom import translations as tr
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = "image/png"
@@ -129,6 +132,8 @@ def test_one_word_means_one_thing_in_the_chinese_edition() -> None:
     import yaml
 
     import fsdp_course.classroom.checks  # noqa: F401  (registers the checkers' messages)
+    for module in pkgutil.iter_modules(viz.__path__):  # and the figures'
+        importlib.import_module(f"fsdp_course.viz.{module.name}")
     from fsdp_course.i18n.messages import CATALOGUE
 
     glossary = yaml.safe_load((ROOT / "i18n" / "zh" / "glossary.yml").read_text(encoding="utf-8"))
@@ -137,7 +142,6 @@ def test_one_word_means_one_thing_in_the_chinese_edition() -> None:
     texts = [(f"{p.relative_to(ROOT)} [{cid}]", e["zh"]) for p in sorted((ROOT / "i18n" / "zh").glob("*/*.yml"))
              for cid, e in tr.load_catalog(p).items() if f"{p.relative_to(ROOT)} [{cid}]" not in quoting]
     texts += [(f"message {name}", templates["zh"]) for name, templates in CATALOGUE.items()]
-    texts.append(("fsdp_course/i18n/zh.py", (ROOT / "fsdp_course/i18n/zh.py").read_text(encoding="utf-8")))
     found = []
     for where, text in texts:
         prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", text, flags=re.S))
@@ -146,7 +150,7 @@ def test_one_word_means_one_thing_in_the_chinese_edition() -> None:
                 for m in re.finditer(pattern, prose):
                     found.append(f"{where}: {prose[max(0, m.start() - 12):m.end() + 12]!r}: say {term['zh']} "
                                  f"for {term['en']}")
-        if not where.startswith("fsdp_course/"):  # a line break inside a Chinese sentence renders as a stray space
+        if not where.startswith("message viz"):  # a line break inside a Chinese sentence renders as a stray space
             found += [f"{where}: line break in {prose[m.start() - 8:m.end() + 8]!r}: join the lines"
                       for m in re.finditer(r"[\u4e00-\u9fff，。；：、]\n(?![\s\-\d|#>*`])[\u4e00-\u9fff]", prose)]
             found += [f"{where}: a space in {prose[m.start() - 8:m.end() + 8]!r}: Chinese words take none"
@@ -223,8 +227,7 @@ def test_a_figure_is_drawn_again_in_chinese_and_only_when_its_english_changed(tm
     lesson = _course(tmp_path)
     nb = nbformat.read(lesson, 4)
     nb.cells.append(nbformat.v4.new_code_cell(
-        "import matplotlib.pyplot as plt\nimport fsdp_course\nfig, ax = plt.subplots()\nax.plot([1, 2])\n"
-        "ax.set_xlabel('world size N')\nplt.show()", id="fig"))
+        "from fsdp_course.viz.collectives import plot_ring_cost\nplot_ring_cost(4)", id="fig"))
     nb.cells.insert(-1, nbformat.v4.new_code_cell("from fsdp_course.i18n import language\nprint(language())", id="lang",
                                                   metadata={"tags": [tr.LOCALIZED]}))
     nbformat.write(nb, lesson)
@@ -280,33 +283,75 @@ def test_the_language_comes_from_the_variable_or_the_notebook_folder(tmp_path: P
         assert i18n.language() == "en"
 
 
-def test_figure_text_is_translated_when_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
+CODE_NAMES = re.compile(  # what a figure writes as it is in both languages: names from code and data, formulas
+    r"(rank \d+|ranks [\d, ]+|all_gather|all_reduce|reduce_scatter|broadcast|op='\w+'|DDP|FSDP|ZeRO-\d|"
+    r"[\w.]*(weight|bias)|(encoder\.)?layers\.\d+|root|[\d.,]+ ?(B|KiB|MiB|GiB|TiB)|unshard|reshard|"
+    r"[\w.]+: \w+ [\w.]+|\$.*\$|[\d/ ,()\[\]x.+=-]+|[\w-]+\n[\dΨ/N +]+|step \d+|\(no label\)|KiB|MiB|GiB)")
+
+
+def _figures() -> list:
+    """One figure of each of fsdp_course.viz's kinds, from small hand-made data."""
+    from fsdp_course.fsdp.param_group import Span
+    from fsdp_course.runtime.ledger import Record
+    from fsdp_course.viz import overlap, timeline
+    from fsdp_course.viz.activations import T as TITLES
+    from fsdp_course.viz.activations import plot_memory_by_batch
+    from fsdp_course.viz.collectives import STAGE, plot_ring_cost, show_ranks
+    from fsdp_course.viz.training import plot_positions_prenorm
+    from fsdp_course.viz.zero_scaling import plot_zero_over_n
+
+    step = [("init", {"params": 400}), ("forward: unshard root", {"sharded_params": 100, "gathered_params": 400}),
+            ("forward done", {"sharded_params": 100}), ("post_backward: reduce_scatter root",
+                                                         {"sharded_params": 100, "sharded_grads": 100}),
+            ("optimizer step", {"sharded_params": 100, "sharded_grads": 100, "optimizer": 200})]
+    record = Record(op="all_gather", seq=1, dtype="float32", shapes=((50,),), payload_bytes=400, sent_bytes=200,
+                    recv_bytes=200, label="step 0", start=0.0, end=0.002)
+    with contextlib.redirect_stdout(io.StringIO()):
+        figures = [show_ranks(STAGE("rs_then_ag"), (STAGE("before"), [[1, 2], [3, 4]]), ("all_gather", [[4], [6]])),
+                   plot_ring_cost(8)]
+    figures += [viz.plot_sharding(["w", "b"], [6, 3], 2), viz.plot_memory_timeline([step, step]),
+                viz.plot_memory_timeline([step, step], kind="lines"),
+                viz.plot_memory_compare({timeline.T("one_unit"): [step], timeline.T("per_layer"): [step]},
+                                        kind="stack", title=timeline.T("rank_of", rank=0, n=2)),
+                viz.plot_overlap([([Span("layers.0", "forward", 0.001, 0.003)], [record])],
+                                 title=overlap.T("fsdp_step", prefetch=1, n=2, step=0)),
+                viz.plot_traffic([record], 400, 2), viz.plot_zero_bars(1000, 4, measured={"ZeRO-3": 4000}),
+                plot_zero_over_n(1000, {"DDP": {1: 16000}}),
+                plot_memory_by_batch({"params": 2**20}, {8: 2**20}, TITLES("one_process", psi=1)),
+                plot_positions_prenorm({(False, False): {"step_loss": [2.3, 2.0], "test_acc": [0.3]}}, 0.5)]
+    return figures
+
+
+def _texts(fig: object) -> list[str]:
+    import matplotlib.text
+
+    fig.canvas.draw()  # tick labels exist once drawn
+    return [t.get_text() for t in fig.findobj(matplotlib.text.Text) if t.get_text().strip()]
+
+
+def test_figures_write_their_words_in_the_course_language(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In Chinese every word a figure writes is Chinese, except names from code and data; in English, none is."""
+    monkeypatch.setenv("FSDP_COURSE_LANG", "zh")
+    chinese = [text for fig in _figures() for text in _texts(fig)]
+    english_left = sorted({t for t in chinese if re.search(r"[A-Za-z]{2}", t) and not re.search(r"[\u4e00-\u9fff]", t)
+                           and not CODE_NAMES.fullmatch(t)})
+    assert not english_left, f"figure text with no Chinese: {english_left}"
+    assert sum(bool(re.search(r"[\u4e00-\u9fff]", t)) for t in chinese) >= 40
+    monkeypatch.setenv("FSDP_COURSE_LANG", "en")
+    assert not [t for fig in _figures() for t in _texts(fig) if re.search(r"[\u4e00-\u9fff]", t)]
+
+
+def test_a_cjk_font_shows_the_chinese(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(i18n, "_installed", False)
-    monkeypatch.setattr(matplotlib.text.Text, "draw", matplotlib.text.Text.draw)  # undone after the test
     monkeypatch.setitem(matplotlib.rcParams, "font.family", list(matplotlib.rcParams["font.family"]))
     if i18n.cjk_font() is None:
         pytest.skip("no CJK font on this machine: see test_without_a_cjk_font_figures_stay_english")
     assert i18n.use_chinese_figures()
-    translating, drawn = matplotlib.text.Text.draw, []
-
-    def record(self: matplotlib.text.Text, renderer: object) -> object:  # what each text reads as it is drawn
-        out = translating(self, renderer)
-        drawn.append(self.get_text())
-        return out
-
-    matplotlib.text.Text.draw = record
-    fig, ax = plt.subplots()
-    ax.set_xlabel("world size N")
-    ax.set_ylabel("a label no catalog knows")
-    ax.set_yticks([0, 1], ["owner rank", "parameters"])  # tick labels are made again at each draw
+    monkeypatch.setenv("FSDP_COURSE_LANG", "zh")
+    fig = viz.plot_sharding(["w", "b"], [6, 3], 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "Glyph ... missing from font(s)": the CJK font takes the Chinese
         fig.canvas.draw()
-    assert ax.get_xlabel() == i18n.translate("world size N") and ax.get_xlabel() != "world size N"
-    assert ax.get_ylabel() == "a label no catalog knows"
-    assert {i18n.translate("owner rank"), i18n.translate("parameters"), ax.get_xlabel()} <= set(drawn)
-    assert not {"owner rank", "parameters", "world size N"} & set(drawn)
-    plt.close(fig)
 
 
 def test_without_a_cjk_font_figures_stay_english(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -315,19 +360,6 @@ def test_without_a_cjk_font_figures_stay_english(monkeypatch: pytest.MonkeyPatch
     i18n._warned.clear()
     with pytest.warns(UserWarning, match="no Chinese font found.*fonts-noto-cjk"):
         assert i18n.use_chinese_figures() is False
-
-
-def test_every_figure_pattern_compiles_and_its_template_expands() -> None:
-    import re
-
-    from fsdp_course.i18n import zh
-
-    assert zh.TEXT and zh.PATTERNS
-    for pattern, template in zh.PATTERNS:
-        groups = re.compile(pattern).groups
-        used = [int(d) for d in re.findall(r"\\(\d)", template)]
-        assert max(used, default=0) <= groups, f"{pattern!r}: the template uses a group the pattern lacks"
-    assert all(v.strip() for v in zh.TEXT.values())
 
 
 @pytest.mark.parametrize("argv, env, lesson", [

@@ -8,13 +8,12 @@ A catalog, `i18n/zh/lessons/03_memory.yml`, holds one entry per markdown cell of
 by the cell's id: `sha`, the first 12 hex digits of the SHA-256 of the English source it translates, and `zh`,
 the Chinese markdown. Code cells are not translated: the Chinese notebook has the English notebook's code cells
 and outputs, byte for byte, except its figures, which are drawn again with Chinese labels (the kernel runs with
-`FSDP_COURSE_LANG=zh`; `fsdp_course.i18n` translates a figure's text as it is drawn), and the outputs of a cell
-tagged `localized` (what it prints speaks the reader's language, e.g. lesson 00's course map), taken whole from the
-same Chinese run. So a change to an English
-lesson flows like this: edit and re-run the English notebook as always; `status` names each markdown cell whose
+`FSDP_COURSE_LANG=zh`; `fsdp_course.viz` writes a figure's text from its catalogues in the kernel's language), and
+the outputs of a cell tagged `localized` (what it prints speaks the reader's language, e.g. lesson 00's course
+map), taken whole from the same Chinese run. So a change to an English lesson flows like this: edit and re-run the English notebook as always; `status` names each markdown cell whose
 English changed since it was translated (its sha differs) and each new cell; update those entries (the new sha
 is printed); `make translations` writes the Chinese notebooks, re-drawing a figure only where its English figure
-changed (or the Chinese figure texts in `fsdp_course/i18n/zh.py` did). `tests/test_translations.py` fails until all of
+changed (or the figure texts catalogued in `fsdp_course/viz/` did). `tests/test_translations.py` fails until all of
 this is done.
 
 An entry whose `zh` still equals the English source counts as untranslated; a cell that reads the same in both
@@ -24,6 +23,7 @@ languages says so with `same: true`.
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import hashlib
 import json
@@ -47,8 +47,14 @@ LOCALIZED = "localized"  # the tag of a code cell whose outputs the Chinese run 
 
 
 def figure_texts_sha() -> str:
-    """The sha of the Chinese figure texts (`fsdp_course/i18n/zh.py`): a figure drawn with older ones is redrawn."""
-    return sha((Path(__file__).resolve().parents[1] / "i18n" / "zh.py").read_text(encoding="utf-8"))
+    """The sha of the figure texts: every `catalogue(...)` of `fsdp_course/viz/` as written (read, not imported:
+    no torch here). A figure drawn with older ones is redrawn."""
+    parts = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "viz").glob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        parts += [ast.get_source_segment(source, node) or "" for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "catalogue"]
+    return sha("\n".join(parts))
 
 
 def _drawn(cell: Any, shas: list[str]) -> bool:

@@ -1,26 +1,25 @@
-"""The language the course speaks (English or Chinese), and the Chinese of its figures.
+"""The language the course speaks (English or Chinese), and a CJK font for its figures.
 
 `language()` is "zh" when `FSDP_COURSE_LANG` says so (`zh`, `zh_CN`, ...), or, with the variable unset, when the
 kernel runs in a Chinese notebook's folder (`lessons/zh/`, `exercises/zh/`: Jupyter starts a notebook's kernel
 there); otherwise "en". `FSDP_COURSE_LANG=en` keeps everything English anywhere.
 
-In Chinese, `import fsdp_course` makes every matplotlib figure translate its text as it is drawn (titles, axis
-labels, legends, annotations; `fsdp_course/i18n/zh.py` holds the strings and patterns), in a CJK font found on the
-machine. Without one, figures keep their English labels and one warning says which package to install. Code is
-never translated: the Chinese notebooks run the English code cells unchanged, which is why the translation happens
-at draw time. What checkers say is catalogued by id with its Chinese beside the English (`i18n/messages.py`).
+Everything the course shows a learner is catalogued by id with its Chinese beside the English (`i18n/messages.py`):
+what checkers say, and what figures write (each `fsdp_course.viz` module builds its titles, labels and legends from
+its catalogue in the course's language). In Chinese, `import fsdp_course` gives matplotlib a CJK font found on the
+machine; without one, one warning says which package to install. Code is never translated: the Chinese notebooks
+run the English code cells unchanged, and the library speaks the language of the kernel.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import warnings
-from functools import cache, wraps
+from functools import cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cjk_font", "language", "translate", "use_chinese_figures"]
+__all__ = ["cjk_font", "language", "use_chinese_figures"]
 
 LANGUAGES = ("en", "zh")
 # CJK fonts that a Debian package, macOS, Windows or a PyPI package provides, in order of preference
@@ -35,7 +34,6 @@ INSTALL_FONT_ZH = ("安装一个中文字体后重启内核：Debian/Ubuntu 用 
                    "fonts-wqy-microhei），Fedora 用 `sudo dnf install google-noto-sans-cjk-fonts`，conda 用 "
                    "`conda install -c conda-forge font-ttf-noto-cjk`，或者 `pip install mplfonts` 之后运行 "
                    "`mplfonts init`；macOS 和 Windows 已经自带（PingFang SC、Microsoft YaHei）")
-_CJK = re.compile(r"[\u3000-\u303f\u3400-\u9fff\uff00-\uffef]")
 _warned: set[str] = set()
 
 
@@ -63,32 +61,6 @@ def language() -> str:
 
 
 @cache
-def _patterns() -> list[tuple[re.Pattern[str], str]]:
-    from fsdp_course.i18n import zh
-
-    return [(re.compile(pattern), template) for pattern, template in zh.PATTERNS]
-
-
-def translate(text: str) -> str | None:
-    """The Chinese of an English figure text: an exact entry of `zh.TEXT`, else the first of `zh.PATTERNS` that
-    matches all of it (its groups filled into the template), else line by line; None if nothing matches."""
-    from fsdp_course.i18n import zh
-
-    if text in zh.TEXT:
-        return zh.TEXT[text]
-    for pattern, template in _patterns():
-        m = pattern.fullmatch(text)
-        if m:
-            return m.expand(template)
-    if "\n" in text:
-        lines = text.split("\n")
-        done = [translate(line) if line.strip() else line for line in lines]
-        if any(d is not None for d in done):
-            return "\n".join(d if d is not None else line for d, line in zip(done, lines, strict=True))
-    return None
-
-
-@cache
 def cjk_font() -> str | None:
     """The name of a CJK font matplotlib can use, or None. Looks again past matplotlib's font cache once, for a
     font installed after the cache was built."""
@@ -108,70 +80,25 @@ def cjk_font() -> str | None:
     return found
 
 
-def _has_letters(text: str) -> bool:
-    """Text worth translating: two Latin letters in a row, outside a mathtext tick label such as `$2^{3}$`."""
-    return not (text.startswith("$") and text.endswith("$")) and bool(re.search(r"[A-Za-z]{2}", text))
-
-
-def _missing(text: str) -> None:
-    path = os.environ.get("FSDP_COURSE_I18N_MISSING")  # authors: where to list figure texts with no Chinese
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(repr(text) + "\n")
-
-
-def translate_text(artist: Any) -> None:
-    """Put the Chinese of a matplotlib Text's English in its place (idempotent), with a CJK font to fall back on."""
-    text = artist.get_text()
-    if not text or _CJK.search(text) or not _has_letters(text):
-        return
-    zh = translate(text)
-    if zh is None:
-        _missing(text)
-    elif zh != text:
-        artist.set_text(zh)
-        family = list(artist.get_fontfamily())
-        font = cjk_font()
-        if font is not None and font not in family:  # each glyph from the first family that has it
-            artist.set_fontfamily([*family, font])
-
-
-def translate_figure(fig: Any) -> None:
-    """Translate every text `fig` holds now (tick labels are made again at each draw: `Text.draw` translates them)."""
-    from matplotlib.text import Text
-
-    for artist in fig.findobj(Text):
-        translate_text(artist)
-
-
 _installed = False
 
 
 def use_chinese_figures() -> bool:
-    """Make every matplotlib figure translate its texts when drawn, in a CJK font. False (English figures, one
-    warning) when the machine has no CJK font."""
+    """Give matplotlib a CJK font to fall back on, so that figure text in Chinese shows. False (one warning) when the
+    machine has no CJK font: the Chinese labels then show as boxes."""
     global _installed
     if _installed:
         return True
     font = cjk_font()
     if font is None:
-        _warn_once("fsdp_course: no Chinese font found, so figures keep their English labels. " + INSTALL_FONT
-                   + "\nfsdp_course：没有找到中文字体，所以图中的文字保持英文。" + INSTALL_FONT_ZH)
+        _warn_once("fsdp_course: no Chinese font found, so figures cannot show their Chinese labels. " + INSTALL_FONT
+                   + "\nfsdp_course：没有找到中文字体，图中的中文无法显示。" + INSTALL_FONT_ZH)
         return False
     import matplotlib
-    from matplotlib.text import Text
 
     # a list of families: matplotlib takes each glyph from the first that has it (Latin and Greek from the usual font)
     family = [f for f in matplotlib.rcParams["font.family"] if f != font]
     matplotlib.rcParams["font.family"] = [*family, font]
-    original = Text.draw  # every title, label, legend entry, annotation and tick label is drawn through it
-
-    @wraps(original)
-    def draw(self: Text, renderer: Any) -> Any:
-        translate_text(self)
-        return original(self, renderer)
-
-    Text.draw = draw
     _installed = True
     return True
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CATALOGUE", "Message", "catalogue", "fields_of"]
+__all__ = ["CATALOGUE", "Message", "catalogue", "fields_of", "text"]
 
 CATALOGUE: dict[str, dict[str, str]] = {}  # "module.id" -> {"en": template, "zh": template}
 _CJK = re.compile(r"[\u3400-\u9fff]")
@@ -40,6 +40,9 @@ class Message:
 
     def __str__(self) -> str:
         return self.en
+
+    def __hash__(self) -> int:  # a Message can name a dict's entry (a figure's panel), by id and fields
+        return hash((self.id, tuple(sorted((k, repr(v)) for k, v in self.fields.items()))))
 
 
 def fields_of(template: str) -> set[str]:
@@ -74,3 +77,13 @@ def catalogue(module: str, entries: Mapping[str, tuple[str, str]]) -> Callable[.
         return Message(name, dict(fields))
 
     return make
+
+
+def text(what: Message | str) -> str:
+    """What a figure writes: a Message in the course's language (`fsdp_course.i18n.language()`); a str, a name from
+    code or data (rank 3, all_gather, encoder.layers.0), as it is."""
+    if isinstance(what, Message):
+        from fsdp_course.i18n import language
+
+        return what.render(language())
+    return str(what)

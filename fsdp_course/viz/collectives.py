@@ -1,7 +1,7 @@
 """Lesson 01's pictures and tables of collectives: each rank's values before and after a collective, the ring's
 bytes per rank as N grows, and collectives timed on this machine beside the α–β model.
 
-    show_ranks("all_gather", ("before: one shard each", shards), ("after", gathered))  # prints, then draws
+    show_ranks("all_gather", (STAGE("before_shards"), shards), (STAGE("after"), gathered))  # prints, then draws
     plot_ring_cost()                         # bytes sent per rank / payload, all_reduce and all_gather, N = 1 .. 64
     print_fit(samples, model); plot_alpha_beta(samples, model)    # fsdp_course.runtime.cost_model's fit
 
@@ -17,19 +17,42 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from fsdp_course.i18n.messages import Message, catalogue, text
 from fsdp_course.runtime.cost_model import CostFit, Sample
 from fsdp_course.runtime.ledger import ring_bytes
 from fsdp_course.viz.style import new_figure
 
-__all__ = ["plot_alpha_beta", "plot_ring_cost", "print_fit", "print_growth", "show_ranks"]
+__all__ = ["STAGE", "plot_alpha_beta", "plot_ring_cost", "print_fit", "print_growth", "show_ranks"]
 
-Panel = tuple[str, Sequence[Sequence[float]]]  # (label, one row of values per rank)
+STAGE = catalogue("viz.collectives", {  # what show_ranks' panels and titles say; names from code stay as they are
+    "before": ("before", "之前"), "after": ("after", "之后"), "input": ("input", "输入"),
+    "padded_input": ("padded input", "填充后的输入"),
+    "before_shards": ("before: one shard each", "之前：每个 rank 一个分片"),
+    "before_grads": ("before: a full gradient each", "之前：每个 rank 一份完整梯度"),
+    "after_chunks": ("after: chunk r of the sum", "之后：和的第 r 块"),
+    "rs_then_ag": ("reduce_scatter, then all_gather", "先 reduce_scatter，再 all_gather"),
+    "rs_padded": ("reduce_scatter of a padded tensor", "对填充后的张量做 reduce_scatter"),
+})
+T = catalogue("viz.ring", {
+    "all_reduce": ("all_reduce: 2(N-1)/N", "all_reduce：发送 2(N-1)/N"),
+    "ag_rs": ("all_gather, reduce_scatter: (N-1)/N", "all_gather、reduce_scatter：发送 (N-1)/N"),
+    "world_size": ("world size N", "world size N（进程总数）"),
+    "per_payload": ("bytes sent per rank / payload", "每个 rank 发送的字节数 / 有效载荷"),
+    "ring_cost": ("ring cost per rank", "环形算法下每个 rank 的通信量"),
+    "sent_ring": ("bytes sent per rank (ring model)", "每个 rank 发送的字节数（环形模型）"),
+    "time_per_call": ("time per call (ms)", "每次调用耗时（ms）"),
+    "timed": ("collectives timed on this machine (points) and steps·α + bytes·β (lines)",
+              "本机实测的集合通信耗时（点）与 steps·α + bytes·β（线）"),
+})
+
+Panel = tuple[str | Message, Sequence[Sequence[float]]]  # (label, one row of values per rank)
 
 
-def show_ranks(title: str, *panels: Panel) -> Figure:
-    """Print each rank's values at each stage, then draw them as rows of boxes, one row per rank."""
+def show_ranks(title: str | Message, *panels: Panel) -> Figure:
+    """Print each rank's values at each stage, then draw them as rows of boxes, one row per rank. A title or label
+    is a name from code ("all_gather", "op='sum'") or a catalogued `STAGE(...)`, written in the course's language."""
     for label, rows in panels:
-        print(f"{label}:")
+        print(f"{text(label)}:")
         for rank, row in enumerate(rows):
             print(f"  rank {rank}: [{', '.join(f'{v:g}' for v in row)}]")
     widths = [max(len(row) for row in rows) for _, rows in panels]
@@ -49,10 +72,10 @@ def show_ranks(title: str, *panels: Panel) -> Figure:
         ax.set_xticks([])
         ax.set_yticks([r + 0.44 for r in range(len(rows))], [f"rank {r}" for r in range(len(rows))] if k == 0 else [])
         ax.tick_params(length=0)
-        ax.set_title(label, fontsize=10)
+        ax.set_title(text(label), fontsize=10)
         for spine in ax.spines.values():
             spine.set_visible(False)
-    fig.suptitle(title)
+    fig.suptitle(text(title))
     return fig
 
 
@@ -62,14 +85,14 @@ def plot_ring_cost(max_world_size: int = 64) -> Figure:
     ns = list(range(1, max_world_size + 1))
     fig, axes = new_figure(size=(6, 3))
     ax = axes[0, 0]
-    ax.plot(ns, [ring_bytes("all_reduce", 1, n)[0] for n in ns], label="all_reduce: 2(N-1)/N")
-    ax.plot(ns, [ring_bytes("all_gather", 1, n)[0] for n in ns], label="all_gather, reduce_scatter: (N-1)/N")
+    ax.plot(ns, [ring_bytes("all_reduce", 1, n)[0] for n in ns], label=text(T("all_reduce")))
+    ax.plot(ns, [ring_bytes("all_gather", 1, n)[0] for n in ns], label=text(T("ag_rs")))
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("world size N")
-    ax.set_ylabel("bytes sent per rank / payload")
+    ax.set_xlabel(text(T("world_size")))
+    ax.set_ylabel(text(T("per_payload")))
     ax.set_ylim(0, 2.1)
     ax.legend()
-    ax.set_title("ring cost per rank")
+    ax.set_title(text(T("ring_cost")))
     return fig
 
 
@@ -120,8 +143,8 @@ def plot_alpha_beta(samples: Sequence[Sample], model: CostFit) -> Figure:
                     linestyle=style, linewidth=1)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("bytes sent per rank (ring model)")
-    ax.set_ylabel("time per call (ms)")
-    ax.set_title("collectives timed on this machine (points) and steps·α + bytes·β (lines)")
+    ax.set_xlabel(text(T("sent_ring")))
+    ax.set_ylabel(text(T("time_per_call")))
+    ax.set_title(text(T("timed")))
     ax.legend(fontsize=8, ncol=2)
     return fig

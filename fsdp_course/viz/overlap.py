@@ -23,10 +23,27 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from fsdp_course.i18n.messages import Message, catalogue, text
 from fsdp_course.runtime.timing import busy_seconds, intervals, overlap_seconds
 from fsdp_course.viz.style import OP_COLORS, new_figure, rank_color
 
-__all__ = ["PHASE_COLORS", "plot_overlap"]
+__all__ = ["PHASE_COLORS", "T", "plot_overlap"]
+
+T = catalogue("viz.overlap", {
+    "forward_compute": ("forward compute", "前向计算"), "backward_compute": ("backward compute", "反向计算"),
+    "phase_compute": ("{phase} compute", "{phase} 计算"),
+    "comm": ("comm", "通信"), "compute": ("compute", "计算"),
+    "gathers_run": ("rank {rank}: all-gathers run {busy:.1f} ms, {both:.1f} ms of it while a unit computes",
+                    "rank {rank}：全聚合共 {busy:.1f} ms，其中 {both:.1f} ms 与某个单元的计算重叠"),
+    "collectives_run": ("rank {rank}: collectives run {busy:.1f} ms, {both:.1f} ms of it while a unit computes",
+                        "rank {rank}：集合通信共 {busy:.1f} ms，其中 {both:.1f} ms 与某个单元的计算重叠"),
+    "x_axis": ("milliseconds after the step's start", "自本步开始起的毫秒数"),
+    "title": ("Compute and communication per rank over one step", "一步之内每个 rank 的计算与通信"),
+    # titles lessons and exercises pass
+    "fsdp_step": ("FSDP(..., prefetch={prefetch}), {n} ranks, step {step}",
+                  "FSDP(..., prefetch={prefetch})，{n} 个 rank，第 {step} 步"),
+    "forward_ranks": ("{function}, {n} ranks", "{function}，{n} 个 rank"),
+})
 
 PHASE_COLORS = {"forward": "#64b5cd", "backward": "#8172b3"}  # compute bars; collectives take OP_COLORS
 _LANE = 0.8  # height of a lane, in y units (compute lane at y = 1, communication lane at y = 0)
@@ -86,7 +103,7 @@ def _draw_lane(ax: Any, y: float, pairs: list[tuple[float, float]], colors: list
             ax.text(x + w / 2, bottom + height * 0.45, text, ha="center", va="center", fontsize=6, clip_on=True)
 
 
-def plot_overlap(per_rank: Any, *, t0: float | None = None, title: str | None = None,
+def plot_overlap(per_rank: Any, *, t0: float | None = None, title: str | Message | None = None,
                  ops: Sequence[str] | None = None) -> Figure:
     """Per rank, compute (top lane: each unit's span, labelled by unit, coloured by forward / backward) and
     communication (bottom lane: each collective, coloured by operation), in milliseconds after `t0`.
@@ -123,21 +140,23 @@ def plot_overlap(per_rank: Any, *, t0: float | None = None, title: str | None = 
         _draw_lane(ax, 0, record_times, [OP_COLORS.get(r.op, "#b0b0b0") for r in records],
                    [f"comm:{r.op}" for r in records], [("", "")] * len(records), origin, width)
         for p in dict.fromkeys(phases):
-            legend[p] = Patch(color=PHASE_COLORS.get(p, "#b0b0b0"), label=f"{p} compute")
+            label = (T("forward_compute") if p == "forward" else T("backward_compute") if p == "backward"
+                     else T("phase_compute", phase=p))
+            legend[p] = Patch(color=PHASE_COLORS.get(p, "#b0b0b0"), label=text(label))
         for op in dict.fromkeys(r.op for r in records):
             legend[op] = Patch(color=OP_COLORS.get(op, "#b0b0b0"), label=op)
-        ax.set_yticks([0, 1], ["comm", "compute"], fontsize=8)
+        ax.set_yticks([0, 1], [text(T("comm")), text(T("compute"))], fontsize=8)
         ax.set_ylim(-0.6, 1.6)
         gathers = [r for r in records if r.op == "all_gather"]
-        measured, what = (gathers, "all-gathers") if gathers else (records, "collectives")
-        busy = busy_seconds(measured)
-        both = overlap_seconds(spans, measured) if spans and measured else 0.0
-        ax.set_title(f"rank {rank}: {what} run {busy * 1e3:.1f} ms, {both * 1e3:.1f} ms of it while a unit computes",
-                     fontsize=9, loc="left", color=rank_color(rank))
+        measured = gathers or records
+        busy = busy_seconds(measured) * 1e3
+        both = (overlap_seconds(spans, measured) if spans and measured else 0.0) * 1e3
+        run = T("gathers_run" if gathers else "collectives_run", rank=rank, busy=busy, both=both)
+        ax.set_title(text(run), fontsize=9, loc="left", color=rank_color(rank))
         ax.grid(axis="x", linewidth=0.3, alpha=0.5)
     axes[-1, 0].set_xlim(0, width * 1.02)
-    axes[-1, 0].set_xlabel("milliseconds after the step's start")
+    axes[-1, 0].set_xlabel(text(T("x_axis")))
     fig.legend(list(legend.values()), [h.get_label() for h in legend.values()], loc="outside right upper",
                fontsize=8)
-    fig.suptitle(title or "Compute and communication per rank over one step", fontsize=10)
+    fig.suptitle(text(title or T("title")), fontsize=10)
     return fig

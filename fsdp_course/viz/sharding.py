@@ -20,7 +20,30 @@ from matplotlib.figure import Figure
 
 from fsdp_course.fsdp.flat_param import padded_numel
 from fsdp_course.fsdp.per_param import DimZeroShard
+from fsdp_course.i18n.messages import Message, catalogue, text
 from fsdp_course.viz.style import format_bytes, new_figure, rank_color
+
+T = catalogue("viz.sharding", {
+    "padding": ("padding", "填充"), "owner_rank": ("owner rank", "所属 rank"), "parameters": ("parameters", "参数"),
+    "elements": ("element of the flat parameter: {numel} elements + {pad} padding = {n} shards x {shard} ({size} per "
+                 "rank)",
+                 "展平参数的元素：{numel} 个元素 + {pad} 个填充元素 = {n} 个分片 × {shard}（每个 rank {size}）"),
+    "flat_title": ("Flat parameter: {count} parameters{common}, {n} ranks",
+                   "展平参数：{count} 个参数{common}，{n} 个 rank"),
+    "unit_title": ("Flat parameter of unit '{unit}': {count} parameters{common}, {n} ranks",
+                   "单元 '{unit}' 的展平参数：{count} 个参数{common}，{n} 个 rank"),
+    "per_rank": ("{shape} per rank", "每个 rank {shape}"),
+    "per_rank_pad": ("{shape} per rank, pad {pad}", "每个 rank {shape}，填充 {pad}"),
+    "dim0": ("dim 0 of each parameter, padded to {n} x ceil(dim0 / {n}) rows: {numel} elements + {pad} padding = "
+             "{n} ranks x {per_rank} ({size} per rank)",
+             "每个参数的第 0 维，填充到 {n} × ceil(dim0 / {n}) 行：{numel} 个元素 + {pad} 个填充元素 = {n} 个 rank × "
+             "{per_rank}（每个 rank {size}）"),
+    "dim0_title": ("Per-parameter shards on dim 0 (FSDP2): {count} parameters{common}, {n} ranks",
+                   "按参数在第 0 维分片（FSDP2）：{count} 个参数{common}，{n} 个 rank"),
+    # titles lessons pass
+    "root_wrapped": ("the root unit when every encoder layer is wrapped, {n} ranks",
+                     "每个编码器层都被包装时的根单元，{n} 个 rank"),
+})
 
 
 def _as_layout(flat: Any) -> Any:
@@ -94,7 +117,7 @@ def _dotted_prefix(names: list[str]) -> str:
 
 
 def plot_sharding(flat: Any, numels: Sequence[int] | None = None, world_size: int | None = None, *,
-                  padded_numel: int | None = None, title: str | None = None,
+                  padded_numel: int | None = None, title: str | Message | None = None,
                   element_size: int | None = None) -> Figure:
     """The flat parameter as a bar: which rank owns which elements, where each parameter starts, the padding.
 
@@ -122,7 +145,7 @@ def plot_sharding(flat: Any, numels: Sequence[int] | None = None, world_size: in
     if padded > numel:
         for y in (0, 1):
             ax.barh(y, padded - numel, left=numel, height=0.8, color="none", edgecolor="black",
-                    hatch="///", linewidth=0.6, gid="padding", label="padding" if y == 1 else None)
+                    hatch="///", linewidth=0.6, gid="padding", label=text(T("padding")) if y == 1 else None)
     ax.vlines([o for _, o, _ in entries] + [numel], -0.45, 1.45, colors="black", linewidth=0.8)
     mids = [o + k / 2 for _, o, k in entries]
     xs = _dodge(mids, gap=padded * min(0.018, 1 / len(entries)), lo=0, hi=padded)
@@ -135,12 +158,14 @@ def plot_sharding(flat: Any, numels: Sequence[int] | None = None, world_size: in
     names.tick_params(length=0)
     ax.set_xlim(0, padded)
     ax.set_ylim(-0.5, 1.9)
-    ax.set_yticks([0, 1], ["owner rank", "parameters"])
-    ax.set_xlabel(f"element of the flat parameter: {numel} elements + {padded - numel} padding = "
-                  f"{n} shards x {shard} ({format_bytes(shard * element_size)} per rank)")
+    ax.set_yticks([0, 1], [text(T("owner_rank")), text(T("parameters"))])
+    ax.set_xlabel(text(T("elements", numel=numel, pad=padded - numel, n=n, shard=shard,
+                         size=format_bytes(shard * element_size))))
     unit = getattr(flat, "label", None) if isinstance(getattr(flat, "label", None), str) else None
-    ax.set_title(title or f"Flat parameter{f' of unit {unit!r}' if unit else ''}: {len(entries)} parameters"
-                 f"{f' {common}*' if common else ''}, {n} ranks", fontsize=10)
+    named = f" {common}*" if common else ""
+    default = (T("unit_title", unit=unit, count=len(entries), common=named, n=n) if unit else
+               T("flat_title", count=len(entries), common=named, n=n))
+    ax.set_title(text(title or default), fontsize=10)
     fig.legend(loc="outside right upper", fontsize=8)
     return fig
 
@@ -168,7 +193,7 @@ def _per_param_specs(layout: Any, shapes: Sequence[Sequence[int]] | None,
 
 
 def plot_per_param_sharding(layout: Any, shapes: Sequence[Sequence[int]] | None = None,
-                            world_size: int | None = None, *, title: str | None = None,
+                            world_size: int | None = None, *, title: str | Message | None = None,
                             element_size: int | None = None) -> Figure:
     """Per-parameter sharding (FSDP2): one bar per parameter, its dim 0 cut into N chunks of ceil(dim0 / N) rows.
 
@@ -193,7 +218,7 @@ def plot_per_param_sharding(layout: Any, shapes: Sequence[Sequence[int]] | None 
             if real < 1:
                 ax.barh(y, (1 - real) / n, left=(r + real) / n, height=0.8, color="none", edgecolor="black",
                         hatch="///", linewidth=0.6, gid=f"padding:{spec.name}",
-                        label=None if padding_labelled else "padding")
+                        label=None if padding_labelled else text(T("padding")))
                 padding_labelled = True
             start, end = spec.row_range(r)
             if n <= 8 and end > start:
@@ -203,9 +228,9 @@ def plot_per_param_sharding(layout: Any, shapes: Sequence[Sequence[int]] | None 
     ax.set_yticks(range(len(specs)), [f"{spec.name[len(common):]} {tuple(spec.shape)}" for spec in specs],
                   fontsize=7)
     sizes = ax.secondary_yaxis("right")  # what each rank holds of each parameter, and its padding
-    sizes.set_yticks(range(len(specs)), [f"{tuple(spec.padded_shape)} per rank"
-                                         f"{f', pad {spec.padding}' if spec.padding else ''}" for spec in specs],
-                     fontsize=7)
+    sizes.set_yticks(range(len(specs)), [text(T("per_rank_pad", shape=tuple(spec.padded_shape), pad=spec.padding)
+                                              if spec.padding else T("per_rank", shape=tuple(spec.padded_shape)))
+                                         for spec in specs], fontsize=7)
     sizes.tick_params(length=0)
     ax.set_ylim(len(specs) - 0.5, -0.5)  # the first parameter on top
     ax.set_xlim(0, 1)
@@ -213,9 +238,9 @@ def plot_per_param_sharding(layout: Any, shapes: Sequence[Sequence[int]] | None 
     per_rank = sum(spec.padded_numel for spec in specs)
     padding = sum(spec.padding for spec in specs)
     numel = sum(spec.numel for spec in specs)
-    ax.set_xlabel(f"dim 0 of each parameter, padded to {n} x ceil(dim0 / {n}) rows: {numel} elements + {padding} "
-                  f"padding = {n} ranks x {per_rank} ({format_bytes(per_rank * element_size)} per rank)")
-    ax.set_title(title or f"Per-parameter shards on dim 0 (FSDP2): {len(specs)} parameters"
-                 f"{f' {common}*' if common else ''}, {n} ranks", fontsize=10)
+    ax.set_xlabel(text(T("dim0", n=n, numel=numel, pad=padding, per_rank=per_rank,
+                         size=format_bytes(per_rank * element_size))))
+    named = f" {common}*" if common else ""
+    ax.set_title(text(title or T("dim0_title", count=len(specs), common=named, n=n)), fontsize=10)
     fig.legend(loc="outside right upper", fontsize=8)
     return fig

@@ -13,12 +13,42 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from fsdp_course.i18n.messages import catalogue, text
+
 RANK_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
                "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")  # tab10: rank r -> RANK_COLORS[r % 10]
 CATEGORY_COLORS = {"params": "#4c72b0", "sharded_params": "#64b5cd", "gathered_params": "#8172b3",
                    "grads": "#dd8452", "sharded_grads": "#ccb974", "optimizer": "#55a868",
                    "buffers": "#937860", "gathered": "#8172b3", "other": "#b0b0b0", "total": "#8c8c8c"}
 CATEGORY_HATCHES = {"sharded_params": "///", "sharded_grads": "///"}  # a shard: its family's colour, hatched
+
+T = catalogue("viz", {  # words every figure uses: the memory categories, phases, byte axes
+    "params": ("params", "参数（params）"), "sharded_params": ("sharded_params", "分片参数"),
+    "gathered_params": ("gathered_params", "聚合后的参数"), "grads": ("grads", "梯度（grads）"),
+    "sharded_grads": ("sharded_grads", "分片梯度"), "optimizer": ("optimizer", "优化器状态"),
+    "buffers": ("buffers", "缓冲区"), "gathered": ("gathered", "聚合后的参数"), "other": ("other", "其他"),
+    "total": ("total", "总计"), "activations": ("activations", "激活值"), "measured": ("measured", "实测"),
+    "forward": ("forward", "前向传播"), "backward": ("backward", "反向传播"),
+    # events an engine records that are words, not names from code
+    "forward done": ("forward done", "前向传播结束"), "backward done": ("backward done", "反向传播结束"),
+    "optimizer step": ("optimizer step", "优化器更新"), "step starts": ("step starts", "本步开始"),
+    "init": ("init", "初始化"), "after step": ("after step", "优化器更新之后"),
+    "all_gather parameters": ("all_gather parameters", "all_gather 参数"),
+    "all_reduce gradients": ("all_reduce gradients", "all_reduce 梯度"),
+    "reduce_scatter gradients": ("reduce_scatter gradients", "reduce_scatter 梯度"),
+    "bytes_axis": ("bytes ({unit})", "字节（{unit}）"),
+    "peak": ("peak {what}", "峰值 {what}"),
+})
+_WORDS = {"params", "sharded_params", "gathered_params", "grads", "sharded_grads", "optimizer", "buffers",
+          "gathered", "other", "total", "activations", "measured", "forward", "backward", "forward done",
+          "backward done", "optimizer step", "step starts", "init", "after step", "all_gather parameters",
+          "all_reduce gradients", "reduce_scatter gradients"}
+
+
+def word(name: str) -> str:
+    """A memory category's, a phase's or an engine event's name as a figure writes it (in Chinese: 分片参数 for
+    sharded_params, 优化器更新 for optimizer step); any other name (a unit, "forward: unshard root") as it is."""
+    return text(T(name)) if name in _WORDS else name  # type: ignore[arg-type]
 
 
 def category_style(category: str) -> dict[str, str]:
@@ -67,7 +97,7 @@ def byte_axis(ax: Any, top: float) -> None:
     ax.set_ylim(0, limit)
     ax.set_yticks([t * size for t in MaxNLocator(nbins=5).tick_values(0, limit / size) if 0 <= t * size <= limit])
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / size:g}"))
-    ax.set_ylabel(f"bytes ({unit})")
+    ax.set_ylabel(text(T("bytes_axis", unit=unit)))
 
 
 def new_figure(nrows: int = 1, ncols: int = 1, size: tuple[float, float] = (9, 3.5), **kw: Any) -> tuple:

@@ -14,6 +14,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from fsdp_course.i18n.messages import Message, catalogue, text
 from fsdp_course.viz.style import (
     CATEGORY_COLORS,
     EVENT_STYLES,
@@ -22,9 +23,27 @@ from fsdp_course.viz.style import (
     format_bytes,
     new_figure,
     rank_color,
+    word,
 )
+from fsdp_course.viz.style import T as STYLE
 
 Timeline = Sequence[tuple[str, Mapping[str, int]]]
+
+T = catalogue("viz.timeline", {
+    "ranks_equal": ("ranks {ranks} (equal)", "rank {ranks}（相同）"),
+    "peak_at": ("peak {bytes}: {event}", "峰值 {bytes}：{event}"),
+    "title": ("Memory per rank over one step, measured at each event", "一步之内每个 rank 的内存（在每个事件处测量）"),
+    "compare": ("Memory per rank over one step", "一步之内每个 rank 的内存"),
+    "compare_rank": ("Memory per rank over one step (rank {rank})", "一步之内每个 rank 的内存（rank {rank}）"),
+    # titles and panel names lessons pass
+    "fsdp_events": ("FSDP, {n} ranks: parameters + gradients + optimizer state at each event of step {step}",
+                    "FSDP，{n} 个 rank：第 {step} 步每个事件处的参数 + 梯度 + 优化器状态"),
+    "one_unit": ("one unit", "一个单元"), "per_layer": ("one unit per layer", "每层一个单元"),
+    "one_vs_layers": ("rank {rank} over step {step}, N = {n}: the whole model as one unit, and one unit per layer",
+                      "rank {rank} 在第 {step} 步（N = {n}）：整个模型作为一个单元，与每层一个单元"),
+    "rank_of": ("Rank {rank} of {n}, one step: one unit vs one unit per layer",
+                "rank {rank}（共 {n} 个），一步：一个单元 vs 每层一个单元"),
+})
 
 
 def _is_timeline(x: Any) -> bool:
@@ -95,7 +114,7 @@ def _event_ticks(ax: Any, labels: Sequence[str]) -> None:
         if last > first:
             ax.axvspan(first - 0.5, last + 0.5, color="#f0f0f0", zorder=0, gid=f"phase:{phase}")
     tilt = len(runs) > 6
-    ax.set_xticks([(first + last) / 2 for _, first, last in runs], [phase for phase, _, _ in runs],
+    ax.set_xticks([(first + last) / 2 for _, first, last in runs], [word(phase) for phase, _, _ in runs],
                   rotation=30 if tilt else 0, ha="right" if tilt else "center", fontsize=8)
     ax.set_xlim(-0.5, len(labels) - 0.5)
 
@@ -105,14 +124,15 @@ def _draw_stack(ax: Any, timeline: Timeline, categories: list[str], legend: dict
     bottom = [0.0] * len(timeline)
     for c in categories:
         values = [float(snap.get(c, 0)) for _, snap in timeline]
-        legend[c] = ax.bar(range(len(timeline)), values, bottom=bottom, width=0.85, label=c, gid=f"cat:{c}",
+        legend[word(c)] = ax.bar(range(len(timeline)), values, bottom=bottom, width=0.85, label=word(c),
+                                 gid=f"cat:{c}",
                            **category_style(c))
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     _mark_events(ax, labels, legend)
     peak = max(bottom)
     at = bottom.index(peak)
-    ax.annotate(f"peak {format_bytes(peak)}", (at, peak), xytext=(0, 3), textcoords="offset points",
-                ha="center", fontsize=7)
+    ax.annotate(text(STYLE("peak", what=format_bytes(peak))), (at, peak), xytext=(0, 3),
+                textcoords="offset points", ha="center", fontsize=7)
     return peak
 
 
@@ -125,7 +145,7 @@ def _draw_lines(ax: Any, timelines: list[tuple[int, Timeline]], categories: list
         groups.setdefault(tuple(float(sum(snap.get(c, 0) for c in categories)) for _, snap in t), []).append(rank)
     top = 0.0
     for totals, ranks in groups.items():
-        name = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} (equal)"
+        name = f"rank {ranks[0]}" if len(ranks) == 1 else text(T("ranks_equal", ranks=", ".join(map(str, ranks))))
         legend[name], = ax.plot(range(len(totals)), totals, marker="o", markersize=3, drawstyle="steps-mid",
                                 linewidth=1.6, color=rank_color(ranks[0]), label=name,
                                 gid="rank" + "_".join(map(str, ranks)))
@@ -133,7 +153,8 @@ def _draw_lines(ax: Any, timelines: list[tuple[int, Timeline]], categories: list
     labels = [label for label, _ in timelines[0][1]]
     first = next(iter(groups))
     at = first.index(max(first))
-    ax.annotate(f"peak {format_bytes(first[at])}: {labels[at]}", (at, first[at]), xytext=(0, 4),
+    ax.annotate(text(T("peak_at", bytes=format_bytes(first[at]), event=word(labels[at]))),
+                (at, first[at]), xytext=(0, 4),
                 textcoords="offset points", ha="center" if 0.2 < at / max(1, len(labels) - 1) < 0.8 else
                 ("left" if at < len(labels) / 2 else "right"), fontsize=7, gid="peak")
     _mark_events(ax, labels, legend)
@@ -141,7 +162,7 @@ def _draw_lines(ax: Any, timelines: list[tuple[int, Timeline]], categories: list
 
 
 def plot_memory_timeline(timelines: Any, *, kind: str = "stack", categories: Sequence[str] | None = None,
-                         title: str | None = None) -> Figure:
+                         title: str | Message | None = None) -> Figure:
     """Measured bytes per rank at each event of a step: `kind="stack"` (one panel per rank, bars stacked
     by category) or `kind="lines"` (one line per rank, the sum of `categories`, default all present).
 
@@ -165,12 +186,12 @@ def plot_memory_timeline(timelines: Any, *, kind: str = "stack", categories: Seq
         raise ValueError(f"kind must be 'stack' or 'lines', got {kind!r}")
     _event_ticks(axes[-1, 0], [label for label, _ in pairs[0][1]])
     fig.legend(legend.values(), legend.keys(), loc="outside right upper", fontsize=8)
-    fig.suptitle(title or "Memory per rank over one step, measured at each event", fontsize=10)
+    fig.suptitle(text(title or T("title")), fontsize=10)
     return fig
 
 
 def plot_memory_compare(runs: Mapping[str, Any], *, kind: str = "lines", rank: int = 0,
-                        categories: Sequence[str] | None = None, title: str | None = None) -> Figure:
+                        categories: Sequence[str] | None = None, title: str | Message | None = None) -> Figure:
     """Side by side, one panel per engine ({"DDP": timelines, "FSDP": timelines}), on one byte scale:
     `kind="lines"` draws every rank's total, `kind="stack"` rank `rank`'s categories."""
     if not runs:
@@ -190,12 +211,11 @@ def plot_memory_compare(runs: Mapping[str, Any], *, kind: str = "lines", rank: i
             if rank not in chosen:
                 raise ValueError(f"{name}: no timeline for rank {rank} (ranks {sorted(chosen)})")
             top = max(top, _draw_stack(ax, chosen[rank], cats, legend))
-        ax.set_title(name)
+        ax.set_title(text(name))
         _event_ticks(ax, [label for label, _ in pairs[0][1]])
     byte_axis(axes[0, 0], top)
     fig.legend(legend.values(), legend.keys(), loc="outside right upper", fontsize=8)
-    fig.suptitle(title or "Memory per rank over one step" + (f" (rank {rank})" if kind == "stack" else ""),
-                 fontsize=10)
+    fig.suptitle(text(title or (T("compare_rank", rank=rank) if kind == "stack" else T("compare"))), fontsize=10)
     return fig
 
 

@@ -16,8 +16,19 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from fsdp_course.i18n.messages import catalogue, text
 from fsdp_course.runtime.ledger import traffic_formula
 from fsdp_course.viz.style import OP_COLORS, byte_axis, format_bytes, new_figure
+
+T = catalogue("viz.traffic", {
+    "ddp": ("DDP: 2(N−1)/N × payload = {bytes}", "DDP：2(N−1)/N × 有效载荷 = {bytes}"),
+    "fsdp": ("FSDP: 3(N−1)/N × payload = {bytes}", "FSDP：3(N−1)/N × 有效载荷 = {bytes}"),
+    "x_axis": ("phase (Ledger.mark label)", "阶段（Ledger.mark 的标签）"),
+    "sent": ("Bytes sent by rank {rank} per phase (ring model, N = {n}, payload = {payload})",
+             "rank {rank} 在每个阶段发送的字节数（环形模型，N = {n}，有效载荷 = {payload}）"),
+    "received": ("Bytes received by rank {rank} per phase (ring model, N = {n}, payload = {payload})",
+                 "rank {rank} 在每个阶段接收的字节数（环形模型，N = {n}，有效载荷 = {payload}）"),
+})
 
 __all__ = ["plot_traffic", "traffic_formula"]  # traffic_formula lives beside ring_bytes, in the ledger
 
@@ -67,15 +78,15 @@ def plot_traffic(ledgers_or_records: Any, psi_bytes: float, world_size: int, *, 
     for x, total in enumerate(bottom):
         ax.annotate(format_bytes(total), (x, total), xytext=(0, 3), textcoords="offset points",
                     ha="center", fontsize=8)
-    for key, text, style in (("ddp", "DDP: 2(N−1)/N × payload", "--"), ("fsdp", "FSDP: 3(N−1)/N × payload", ":")):
-        ax.axhline(formula[key], color="black", linestyle=style, linewidth=1,
-                   label=f"{text} = {format_bytes(formula[key])}", gid=f"formula:{key}")
+    for key, style in (("ddp", "--"), ("fsdp", ":")):
+        line = T("ddp" if key == "ddp" else "fsdp", bytes=format_bytes(formula[key]))
+        ax.axhline(formula[key], color="black", linestyle=style, linewidth=1, label=text(line), gid=f"formula:{key}")
     tilt = len(labels) > 4
     ax.set_xticks(range(len(labels)), labels, rotation=30 if tilt else 0, ha="right" if tilt else "center",
                   fontsize=8)
-    ax.set_xlabel("phase (Ledger.mark label)")
+    ax.set_xlabel(text(T("x_axis")))
     byte_axis(ax, max(max(bottom), formula["fsdp"]))
     ax.legend(fontsize=8, loc="best")
-    ax.set_title(title or f"Bytes {direction} by rank {rank} per phase (ring model, N = {world_size}, "
-                 f"payload = {format_bytes(psi_bytes)})", fontsize=10)
+    default = T("sent" if direction == "sent" else "received", rank=rank, n=world_size, payload=format_bytes(psi_bytes))
+    ax.set_title(text(title or default), fontsize=10)
     return fig

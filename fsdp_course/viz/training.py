@@ -11,7 +11,26 @@ import torch
 from matplotlib.figure import Figure
 from torch import nn
 
+from fsdp_course.i18n.messages import catalogue, text
 from fsdp_course.viz.style import CourseFigure
+
+T = catalogue("viz.training", {
+    "no_post": ("no positions, post-norm", "无位置嵌入，post-norm"),
+    "no_pre": ("no positions, pre-norm", "无位置嵌入，pre-norm"),
+    "pos_post": ("positions, post-norm", "有位置嵌入，post-norm"),
+    "pos_pre": ("positions, pre-norm", "有位置嵌入，pre-norm"),
+    "uniform": ("ln {classes}: a uniform guess", "ln {classes}：均匀随机猜测"), "step": ("step", "步"),
+    "training_loss": ("training loss", "训练损失"),
+    "loss_title": ("loss (one process, batch of 64)", "损失（单进程，批大小 64）"),
+    "bag": ("logistic regression on the bag", "像素袋上的逻辑回归"), "accuracy": ("held-out accuracy", "留出集准确率"),
+    "accuracy_title": ("held-out accuracy after each epoch", "每轮结束时的留出集准确率"),
+    "ablation": ("positions × pre-norm: the article's model (red), each fix alone, both (blue)",
+                 "位置嵌入 × pre-norm：文章的模型（红），各自单独修复，两者同时（蓝）"),
+    "test_digit": ("a test digit (label {label})", "一张测试数字图（标签 {label}）"),
+    "scrambled": ("the same pixels, scrambled", "同样的像素，打乱顺序"),
+    "guesses": ("{title}\nno positions: {without}   positions: {with_}",
+                "{title}\n无位置嵌入：{without}   有位置嵌入：{with_}"),
+})
 
 __all__ = ["plot_positions_prenorm", "plot_scrambled_digit"]
 
@@ -28,18 +47,19 @@ def plot_positions_prenorm(logs: Mapping[tuple[bool, bool], Mapping[str, Any]], 
     ax_loss, ax_acc = fig.subplots(1, 2)
     for switches, log in logs.items():
         color, line = _STYLES[switches]
-        name = f"{'positions' if switches[0] else 'no positions'}, {'pre' if switches[1] else 'post'}-norm"
+        name = text(T({(False, False): "no_post", (False, True): "no_pre", (True, False): "pos_post",
+                       (True, True): "pos_pre"}[switches]))
         per_epoch = len(log["step_loss"]) // len(log["test_acc"])
         ax_loss.plot(range(1, len(log["step_loss"]) + 1), log["step_loss"], line, color=color, label=name)
         ax_acc.plot([per_epoch * (e + 1) for e in range(len(log["test_acc"]))], log["test_acc"], "o" + line,
                     color=color, label=name)
-    ax_loss.axhline(math.log(classes), color="grey", linestyle=":", label=f"ln {classes}: a uniform guess")
-    ax_loss.set(xlabel="step", ylabel="training loss", title="loss (one process, batch of 64)")
-    ax_acc.axhline(bag, color="grey", linestyle=":", label="logistic regression on the bag")
-    ax_acc.set(xlabel="step", ylabel="held-out accuracy", ylim=(0, 1), title="held-out accuracy after each epoch")
+    ax_loss.axhline(math.log(classes), color="grey", linestyle=":", label=text(T("uniform", classes=classes)))
+    ax_loss.set(xlabel=text(T("step")), ylabel=text(T("training_loss")), title=text(T("loss_title")))
+    ax_acc.axhline(bag, color="grey", linestyle=":", label=text(T("bag")))
+    ax_acc.set(xlabel=text(T("step")), ylabel=text(T("accuracy")), ylim=(0, 1), title=text(T("accuracy_title")))
     ax_loss.legend(fontsize=8)
     ax_acc.legend(fontsize=8, loc="upper left")
-    fig.suptitle("positions × pre-norm: the article's model (red), each fix alone, both (blue)")
+    fig.suptitle(text(T("ablation")))
     return fig
 
 
@@ -49,10 +69,9 @@ def plot_scrambled_digit(models: Sequence[nn.Module], image: torch.Tensor, perm:
     `models` (no positions, positions) predict for it."""
     fig = CourseFigure(figsize=(5.6, 3.0))
     axes = fig.subplots(1, 2)
-    for ax, shown, title in ((axes[0], image, f"a test digit (label {label})"),
-                             (axes[1], image[perm], "the same pixels, scrambled")):
+    for ax, shown, title in ((axes[0], image, T("test_digit", label=label)), (axes[1], image[perm], T("scrambled"))):
         guesses = [model(shown.unsqueeze(0)).argmax().item() for model in models]
         ax.imshow(shown.reshape(8, 8), cmap="gray_r")
-        ax.set_title(f"{title}\nno positions: {guesses[0]}   positions: {guesses[1]}", fontsize=9)
+        ax.set_title(text(T("guesses", title=title, without=guesses[0], with_=guesses[1])), fontsize=9)
         ax.axis("off")
     return fig

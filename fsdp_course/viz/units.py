@@ -14,8 +14,19 @@ import math
 
 from matplotlib.figure import Figure
 
+from fsdp_course.i18n.messages import catalogue, text
 from fsdp_course.runtime.cost_model import CostFit
 from fsdp_course.viz.style import CourseFigure
+
+T = catalogue("viz.units", {
+    "collectives": ("collectives per step (α-β fit)", "每步的集合通信（α-β 拟合）"),
+    "one_layer": ("one layer of the article's model", "文章模型的一层"),
+    "per_unit": ("parameters per unit, U", "每个单元的参数量 U"), "seconds": ("seconds per step", "每步秒数"),
+    "peak": ("peak per rank, 16Ψ/N + 8U", "每个 rank 的峰值，16Ψ/N + 8U"),
+    "mb": ("MB per rank", "每个 rank 的内存（MB）"),
+    "title": ("the article's model cut into equal units, N = {n}: time on this machine's α, β, and memory",
+              "文章的模型切成大小相等的单元，N = {n}：按本机 α、β 估算的时间，以及内存"),
+})
 
 __all__ = ["unit_tradeoff", "plot_unit_tradeoff"]
 
@@ -35,19 +46,18 @@ def plot_unit_tradeoff(psi: int, world_size: int, cost: CostFit, layer_numel: in
     sizes, seconds, peak = unit_tradeoff(psi, world_size, cost)
     fig = CourseFigure(figsize=(7.5, 4), layout="constrained")
     ax = fig.subplots()
-    ax.plot(sizes, seconds, color="C0", label="collectives per step (α-β fit)")
+    ax.plot(sizes, seconds, color="C0", label=text(T("collectives")))
     if cost.beta > 0 and math.isfinite(world_size * cost.alpha / (4 * cost.beta)):
         ax.axvline(world_size * cost.alpha / (4 * cost.beta), color="C0", linestyle=":", label="U* = Nα/(4β)")
-    ax.axvline(layer_numel, color="grey", linestyle="--", label="one layer of the article's model")
+    ax.axvline(layer_numel, color="grey", linestyle="--", label=text(T("one_layer")))
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("parameters per unit, U")
-    ax.set_ylabel("seconds per step")
+    ax.set_xlabel(text(T("per_unit")))
+    ax.set_ylabel(text(T("seconds")))
     right = ax.twinx()
-    right.plot(sizes, [p / 1e6 for p in peak], color="C3", label="peak per rank, 16Ψ/N + 8U")
-    right.set_ylabel("MB per rank")
+    right.plot(sizes, [p / 1e6 for p in peak], color="C3", label=text(T("peak")))
+    right.set_ylabel(text(T("mb")))
     ax.legend(handles=ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0], fontsize=8,
               loc="upper center")
-    ax.set_title(f"the article's model cut into equal units, N = {world_size}: time on this machine's α, β, and "
-                 "memory")
+    ax.set_title(text(T("title", n=world_size)))
     return fig

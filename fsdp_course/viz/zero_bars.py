@@ -15,8 +15,16 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from fsdp_course.i18n.messages import Message, catalogue, text
 from fsdp_course.memory import stage_index, zero_formula
-from fsdp_course.viz.style import CATEGORY_COLORS, STAGES, byte_axis, format_bytes, new_figure
+from fsdp_course.viz.style import CATEGORY_COLORS, STAGES, byte_axis, format_bytes, new_figure, word
+
+T = catalogue("viz.zero_bars", {
+    "measured_bytes": ("{bytes}\nmeasured", "{bytes}\n实测"),
+    "title": ("Model state per rank: Ψ = {numel:,} parameters, N = {n}, {optimizer}, {size} bytes per value",
+              "每个 rank 的模型状态：Ψ = {numel:,} 个参数，N = {n}，{optimizer}，每个值 {size} 字节"),
+    "sgd_momentum": ("SGD with momentum", "带动量的 SGD"),
+})
 
 _FORMULA_PARTS = ("params", "grads", "optimizer", "gathered")
 
@@ -52,7 +60,7 @@ def _measured_groups(value: int | float | Mapping[str, int]) -> dict[str, float]
 
 def plot_zero_bars(numel: int, world_size: int, measured: Mapping[Any, Any] | None = None, *,
                    optimizer: str = "adam", bytes_per_param: int = 4, gathered_numel: int = 0,
-                   highlight: int | str | None = None, title: str | None = None) -> Figure:
+                   highlight: int | str | None = None, title: str | Message | None = None) -> Figure:
     """Bytes per rank for DDP and ZeRO-1/2/3 from the formulas, stacked by category; `measured`
     ({"DDP": bytes or a memory.measure() snapshot, "FSDP": ...}) drawn hatched beside them."""
     formulas = [zero_bytes(numel, world_size, s, optimizer=optimizer, bytes_per_param=bytes_per_param,
@@ -85,7 +93,7 @@ def plot_zero_bars(numel: int, world_size: int, measured: Mapping[Any, Any] | No
                     ax.bar(s + shift, v, bottom=mb, width=width, color=CATEGORY_COLORS.get(c, "#b0b0b0"),
                            hatch="//", edgecolor="white", gid=f"measured:{STAGES[s]}:{c}")
                     mb += v
-            ax.annotate(f"{format_bytes(mb)}\nmeasured", (s + shift, mb), xytext=(0, 3),
+            ax.annotate(text(T("measured_bytes", bytes=format_bytes(mb))), (s + shift, mb), xytext=(0, 3),
                         textcoords="offset points", ha="center", fontsize=7)
             top = max(top, mb)
     ax.set_xticks(range(4), [f"{name}\n{zero_formula_text(s, optimizer, bytes_per_param)}"
@@ -93,13 +101,13 @@ def plot_zero_bars(numel: int, world_size: int, measured: Mapping[Any, Any] | No
     byte_axis(ax, top * 1.05)
     used = [c for c in CATEGORY_COLORS if any(f[c] for f in formulas if c in _FORMULA_PARTS)
             or any(m.get(c) for m in meas.values())]
-    handles = [Patch(facecolor=CATEGORY_COLORS[c], label=c) for c in used]
+    handles = [Patch(facecolor=CATEGORY_COLORS[c], label=word(c)) for c in used]
     if meas:
-        handles.append(Patch(facecolor="white", edgecolor="grey", hatch="//", label="measured"))
+        handles.append(Patch(facecolor="white", edgecolor="grey", hatch="//", label=word("measured")))
     ax.legend(handles=handles, fontsize=8, loc="upper right")
-    opt = {"adam": "Adam", "adamw": "AdamW", "sgd_momentum": "SGD with momentum", "sgd": "SGD"}[optimizer.lower()]
-    ax.set_title(title or f"Model state per rank: Ψ = {numel:,} parameters, N = {world_size}, {opt}, "
-                 f"{bytes_per_param} bytes per value", fontsize=10)
+    opt = {"adam": "Adam", "adamw": "AdamW", "sgd_momentum": T("sgd_momentum"), "sgd": "SGD"}[optimizer.lower()]
+    default = T("title", numel=numel, n=world_size, optimizer=opt, size=bytes_per_param)
+    ax.set_title(text(title or default), fontsize=10)
     return fig
 
 

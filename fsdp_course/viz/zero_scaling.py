@@ -10,16 +10,27 @@ from collections.abc import Mapping
 
 from matplotlib.figure import Figure
 
+from fsdp_course.i18n.messages import Message, catalogue, text
 from fsdp_course.memory import zero_formula
 from fsdp_course.viz.style import STAGES, new_figure
 
-__all__ = ["plot_zero_over_n"]
+T = catalogue("viz.zero_scaling", {
+    "formula": ("{name} formula", "{name} 公式"), "measured": ("{name} measured", "{name} 实测"),
+    "world_size": ("world size N", "world size N（进程总数）"),
+    "kib": ("model state per rank (KiB)", "每个 rank 的模型状态（KiB）"),
+    "title": ("Ψ = {psi}, AdamW, float32", "Ψ = {psi}，AdamW，float32（单精度）"),
+    # the title lesson 04 passes
+    "small_transformer": ("Small Transformer, Ψ = {psi}, AdamW, float32",
+                          "小型 Transformer，Ψ = {psi}，AdamW，float32（单精度）"),
+})
+
+__all__ = ["T", "plot_zero_over_n"]
 
 _COLORS = ("C0", "C1", "C2", "C3")
 
 
 def plot_zero_over_n(psi: int, measured: Mapping[str, Mapping[int, float]], max_world_size: int = 8, *,
-                     title: str | None = None) -> Figure:
+                     title: str | Message | None = None) -> Figure:
     """The four formulas for N = 1 .. `max_world_size`, and `measured` bytes per rank as dots, by stage name and
     world size ({"DDP": {1: bytes, 2: bytes, ...}, "ZeRO-1": {...}}); in KiB."""
     unknown = set(measured) - set(STAGES)
@@ -30,13 +41,14 @@ def plot_zero_over_n(psi: int, measured: Mapping[str, Mapping[int, float]], max_
     ax = axes[0, 0]
     for stage, (name, color) in enumerate(zip(STAGES, _COLORS, strict=True)):
         ax.plot(ns, [zero_formula(psi, n, stage)["total"] / 1024 for n in ns], color=color, linewidth=1,
-                label=f"{name} formula")
+                label=text(T("formula", name=name)))
         if name in measured:
             points = sorted(measured[name].items())
-            ax.plot([n for n, _ in points], [b / 1024 for _, b in points], "o", color=color, label=f"{name} measured")
-    ax.set_xlabel("world size N")
-    ax.set_ylabel("model state per rank (KiB)")
+            ax.plot([n for n, _ in points], [b / 1024 for _, b in points], "o", color=color,
+                    label=text(T("measured", name=name)))
+    ax.set_xlabel(text(T("world_size")))
+    ax.set_ylabel(text(T("kib")))
     ax.set_ylim(0, None)
-    ax.set_title(title or f"Ψ = {psi}, AdamW, float32")
+    ax.set_title(text(title or T("title", psi=psi)))
     ax.legend(fontsize=8, ncol=2)
     return fig
