@@ -10,7 +10,8 @@ the Chinese markdown. Code cells are not translated: the Chinese notebook has th
 and outputs, byte for byte, except its figures, which are drawn again with Chinese labels (the kernel runs with
 `FSDP_COURSE_LANG=zh`; `fsdp_course.viz` writes a figure's text from its catalogues in the kernel's language), and
 the outputs of a cell tagged `localized` (what it prints speaks the reader's language, e.g. lesson 00's course
-map), taken whole from the same Chinese run. So a change to an English lesson flows like this: edit and re-run the English notebook as always; `status` names each markdown cell whose
+map), taken whole from the same Chinese run. So a change to an English lesson flows like this: edit and re-run
+the English notebook as always; `status` names each markdown cell whose
 English changed since it was translated (its sha differs) and each new cell; update those entries (the new sha
 is printed); `make translations` writes the Chinese notebooks, re-drawing a figure only where its English figure
 changed (or the figure texts catalogued in `fsdp_course/viz/` did). `tests/test_translations.py` fails until all of
