@@ -19,7 +19,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cjk_font", "language", "use_chinese_figures"]
+__all__ = ["cjk_font", "figure_language", "language", "use_chinese_figures"]
 
 LANGUAGES = ("en", "zh")
 # CJK fonts that a Debian package, macOS, Windows or a PyPI package provides, in order of preference
@@ -85,14 +85,14 @@ _installed = False
 
 def use_chinese_figures() -> bool:
     """Give matplotlib a CJK font to fall back on, so that figure text in Chinese shows. False (one warning) when the
-    machine has no CJK font: the Chinese labels then show as boxes."""
+    machine has no CJK font: figures then keep their English labels (`figure_language`)."""
     global _installed
     if _installed:
         return True
     font = cjk_font()
     if font is None:
-        _warn_once("fsdp_course: no Chinese font found, so figures cannot show their Chinese labels. " + INSTALL_FONT
-                   + "\nfsdp_course：没有找到中文字体，图中的中文无法显示。" + INSTALL_FONT_ZH)
+        _warn_once("fsdp_course: no Chinese font found, so figures keep their English labels. " + INSTALL_FONT
+                   + "\nfsdp_course：没有找到中文字体，所以图中的文字保持英文。" + INSTALL_FONT_ZH)
         return False
     import matplotlib
 
@@ -101,6 +101,17 @@ def use_chinese_figures() -> bool:
     matplotlib.rcParams["font.family"] = [*family, font]
     _installed = True
     return True
+
+
+def figure_language() -> str:
+    """The language figures write in: the course's, except Chinese on a machine with no CJK font to show it, where
+    figures keep their English labels (and one warning says which font to install)."""
+    if language() != "zh":
+        return "en"
+    try:
+        return "zh" if use_chinese_figures() else "en"
+    except ImportError:  # no matplotlib: nothing is drawn anyway
+        return "zh"
 
 
 def activate() -> None:

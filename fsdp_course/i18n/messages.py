@@ -80,10 +80,10 @@ def catalogue(module: str, entries: Mapping[str, tuple[str, str]]) -> Callable[.
 
 
 def text(what: Message | str) -> str:
-    """What a figure writes: a Message in the course's language (`fsdp_course.i18n.language()`); a str, a name from
-    code or data (rank 3, all_gather, encoder.layers.0), as it is."""
+    """What a figure writes: a Message in the figures' language (`fsdp_course.i18n.figure_language()`: the course's,
+    English where no CJK font could show Chinese); a str, a name from code or data (rank 3, all_gather), as it is."""
     if isinstance(what, Message):
-        from fsdp_course.i18n import language
+        from fsdp_course.i18n import figure_language
 
-        return what.render(language())
+        return what.render(figure_language())
     return str(what)
