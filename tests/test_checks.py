@@ -84,7 +84,7 @@ def test_world_sizes_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
     (keeps_padding, "common.padding_left", {}),
     (keeps_padding_then_reshapes, "common.gathered_padding", {}),
     (never_pads, "common.divisible", {}),
-    (cuts_down, "common.cut_short", {}),
+    (cuts_down, "collectives.cut_short", {}),
     (uses_all_reduce, "collectives.only_rs_ag", {}),
     (returns_own_chunk, "collectives.rs_then_ag", {}),
     (pads_by_rank, "collectives.mismatch", {}),

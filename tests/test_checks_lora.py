@@ -244,6 +244,7 @@ def test_kept_bytes_reference_passes(capsys: pytest.CaptureFixture[str]) -> None
     (lambda u, n: {"params": 0}, "lora.kept_keys", {}),
     (lambda u, n: 0, "lora.kept_not_dict", {"shown": "int"}),
     (lambda u, n: {**kept(u, n), "optimizer": None}, "lora.kept_not_number", {"category": "optimizer"}),
+    (lambda u, n: {**kept(u, n), "optimizer": math.nan}, "lora.kept_not_number", {"category": "optimizer"}),
 ])
 def test_kept_bytes_planted_mistakes_name_the_mistake(planted, says: str, fields: dict,
                                                       capsys: pytest.CaptureFixture[str]) -> None:

@@ -145,3 +145,9 @@ def test_a_report_adds_its_chinese_only_in_chinese(lang: str | None, monkeypatch
         assert "  问题：rank 0：数值不对\n" in out and "  提示：rank 0 的结果只有应得值的 1/2" in out
     else:
         assert not CJK.search(out), out
+
+
+def test_equal_messages_hash_equal() -> None:
+    make = catalogue("test_hash", {"n": ("{n} ranks", "{n} 个 rank")})
+    assert make("n", n=1) == make("n", n=1.0) and hash(make("n", n=1)) == hash(make("n", n=1.0))
+    assert {make("n", n=2): "panel"}[make("n", n=2)] == "panel"

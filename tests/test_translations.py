@@ -333,6 +333,8 @@ def test_figures_write_their_words_in_the_course_language(monkeypatch: pytest.Mo
     """In Chinese every word a figure writes is Chinese, except names from code and data; in English, none is."""
     if i18n.cjk_font() is None:
         pytest.skip("no CJK font on this machine: figures keep English (test_without_a_cjk_font_figures_stay_english)")
+    monkeypatch.setattr(i18n, "_installed", False)  # what use_chinese_figures sets is undone after the test
+    monkeypatch.setitem(matplotlib.rcParams, "font.family", list(matplotlib.rcParams["font.family"]))
     monkeypatch.setenv("FSDP_COURSE_LANG", "zh")
     chinese = [text for fig in _figures() for text in _texts(fig)]
     english_left = sorted({t for t in chinese if re.search(r"[A-Za-z]{2}", t) and not re.search(r"[\u4e00-\u9fff]", t)
@@ -354,6 +356,7 @@ def test_a_cjk_font_shows_the_chinese(monkeypatch: pytest.MonkeyPatch) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "Glyph ... missing from font(s)": the CJK font takes the Chinese
         fig.canvas.draw()
+    assert re.search(r"[\u4e00-\u9fff]", fig.axes[0].get_xlabel())
 
 
 def test_without_a_cjk_font_figures_stay_english(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,7 +24,6 @@ languages says so with `same: true`.
 from __future__ import annotations
 
 import argparse
-import ast
 import copy
 import hashlib
 import json
@@ -33,6 +32,7 @@ import re
 import sys
 import tempfile
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +47,12 @@ _META = "fsdp_course_i18n"  # cell metadata of a re-drawn figure: the sha of the
 LOCALIZED = "localized"  # the tag of a code cell whose outputs the Chinese run gives, whole
 
 
+@cache
 def figure_texts_sha() -> str:
-    """The sha of the figure texts: every `catalogue(...)` of `fsdp_course/viz/` as written (read, not imported:
-    no torch here). A figure drawn with older ones is redrawn."""
-    parts = []
-    for path in sorted((Path(__file__).resolve().parents[1] / "viz").glob("*.py")):
-        source = path.read_text(encoding="utf-8")
-        parts += [ast.get_source_segment(source, node) or "" for node in ast.walk(ast.parse(source))
-                  if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "catalogue"]
-    return sha("\n".join(parts))
+    """The sha of what writes the figures' text: the source of `fsdp_course/viz/` (its catalogues, and the code that
+    picks a message). A Chinese figure drawn with other sources is redrawn."""
+    viz = Path(__file__).resolve().parents[1] / "viz"
+    return sha("\n".join(p.read_text(encoding="utf-8") for p in sorted(viz.glob("*.py"))))
 
 
 def _drawn(cell: Any, shas: list[str]) -> bool:
@@ -338,6 +335,11 @@ def build(notebook: Path, root: Path = ROOT, *, redraw: bool = True, timeout: fl
         and len(_figure_shas(saved, root).get(i, [])) == len(shas))]
     fresh = None
     if stale and redraw:
+        from fsdp_course.i18n import INSTALL_FONT, cjk_font
+
+        if cjk_font() is None:  # the figures would come out English, and be stamped as Chinese
+            raise RuntimeError("no Chinese font on this machine, so the Chinese figures cannot be drawn. "
+                               + INSTALL_FONT)
         log(f"  re-drawing {len(stale)} cell(s) of {notebook.name} in Chinese (figures, localized outputs; running it)")
         fresh = _redraw(out, target.parent / ".build", timeout)
     for i, shas in english.items():

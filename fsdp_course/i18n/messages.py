@@ -41,8 +41,8 @@ class Message:
     def __str__(self) -> str:
         return self.en
 
-    def __hash__(self) -> int:  # a Message can name a dict's entry (a figure's panel), by id and fields
-        return hash((self.id, tuple(sorted((k, repr(v)) for k, v in self.fields.items()))))
+    def __hash__(self) -> int:  # a Message can name a dict's entry (a figure's panel); equal Messages hash equal
+        return hash((self.id, tuple(sorted(self.fields))))
 
 
 def fields_of(template: str) -> set[str]:

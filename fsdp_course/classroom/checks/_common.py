@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import linecache
-import math
 import os
-import re
 import sys
 import sysconfig
 import traceback
@@ -96,12 +94,6 @@ T = catalogue("common", {
                  "各 rank 的调用不一致（或形状不同）：每个 rank 都必须以相同的顺序、相同的形状调用相同的集合通信"),
     "skipped": ("some rank skipped a collective that the others called: every rank must make every call",
                 "有的 rank 跳过了其他 rank 调用的集合通信：每个 rank 都必须执行每一次调用"),
-    "cut_short": ("the result is reshaped from {got} elements to a shape of {need}: elements were cut off, not "
-                  "padded. Round the length up to a multiple of the world size with zeros (which change no sum), "
-                  "never down: every element of the input must reach the collectives",
-                  "结果要从 {got} 个元素 reshape 成 {need} 个元素的形状：元素被截掉了，而不是被填充。"
-                  "用零把长度向上补到 world size 的整数倍（零不改变任何和），决不要向下截断："
-                  "输入的每个元素都必须进入集合通信"),
     "gathered_padding": ("the gathered tensor still has the padding: keep only the first tensor.numel() elements, "
                          "then reshape to tensor.shape",
                          "全聚合得到的张量还带着填充：只保留前 tensor.numel() 个元素，再 reshape 成 tensor.shape"),
@@ -344,11 +336,6 @@ def exception_hint(exc: BaseException) -> Message:
     if isinstance(exc, CollectiveHang):
         return T("skipped")
     if "is invalid for input of size" in text:
-        sizes = re.search(r"shape '\[([\d, -]*)\]' is invalid for input of size (\d+)", text)
-        if sizes and "-1" not in sizes.group(1).split(", "):
-            need, got = math.prod(int(d) for d in sizes.group(1).split(", ") if d), int(sizes.group(2))
-            if got < need:
-                return T("cut_short", got=got, need=need)
         return T("gathered_padding")
     if "post accumulate grad hooks should return None" in text:
         return T("hook_returns")

@@ -18,6 +18,8 @@ changes the tensor it was given.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,6 +77,12 @@ T = catalogue("collectives", {
                   "rank r 发给 (r + 1) % N，从 (r - 1) % N 接收，tag 要匹配"),
     "contiguous": ("send and recv need contiguous tensors: use the chunks of a 1-D buffer (flat.chunk(n))",
                    "send 和 recv 需要连续的张量：使用一维缓冲区的分块（flat.chunk(n)）"),
+    "cut_short": ("the result is reshaped from {got} elements to a shape of {need}: elements were cut off, not "
+                  "padded. Round the length up to a multiple of the world size with zeros (which change no sum), "
+                  "never down: every element of the input must reach the collectives",
+                  "结果要从 {got} 个元素 reshape 成 {need} 个元素的形状：元素被截掉了，而不是被填充。"
+                  "用零把长度向上补到 world size 的整数倍（零不改变任何和），决不要向下截断："
+                  "输入的每个元素都必须进入集合通信"),
     # the ring: its messages
     "called_collectives": ("rank {rank} called the collective(s) {ops}", "rank {rank} 调用了集合通信 {ops}"),
     "only_send_recv": ("build it from ctx.group.send and ctx.group.recv only: no ctx.all_reduce, "
@@ -165,10 +173,20 @@ def _all_reduce_inputs(world_size: int, shape: tuple[int, ...]) -> list[torch.Te
     return [torch.randint(1, 10, shape, generator=g).float() for _ in range(world_size)]
 
 
+def _cut_short(exc: BaseException) -> Message | None:
+    """An all-reduce that rounded the length down instead of padding it up fails reshaping the result back to the
+    input's shape: fewer elements than the shape needs (torch's message gives both)."""
+    sizes = re.search(r"shape '\[([\d, ]*)\]' is invalid for input of size (\d+)", str(exc))
+    if sizes is None:
+        return None
+    need, got = math.prod(int(d) for d in sizes.group(1).split(", ") if d), int(sizes.group(2))
+    return T("cut_short", got=got, need=need) if got < need else None
+
+
 def _all_reduce_hint(exc: BaseException) -> Message:
     if isinstance(exc, CollectiveMismatch):
         return T("mismatch")
-    return exception_hint(exc)
+    return _cut_short(exc) or exception_hint(exc)
 
 
 def check_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor],
@@ -229,7 +247,7 @@ def _check_one_all_reduce(check: str, n: int, shape: tuple[int, ...], inputs: li
     padded = padded_numel(expected.numel(), n)
     where = f"world size {n}, input shape {shape}"
     for rank, (got, records, modified) in enumerate(outputs):
-        _check_values(check, where, n, rank, inputs, expected, got, padded, _ring_mistake(inputs, n, rank, got))
+        _check_values(check, where, n, rank, inputs, expected, got, padded)
         if modified:
             _input_modified(check, where, rank)
         ops = [r.op for r in records]
@@ -299,7 +317,7 @@ def _ring_hint(exc: BaseException) -> Message:
         return T("timed_out")
     if "must be contiguous" in text or "contiguous" in text:
         return T("contiguous")
-    return exception_hint(exc)
+    return _cut_short(exc) or exception_hint(exc)
 
 
 def check_ring_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor],
@@ -422,7 +440,8 @@ def _check_one_ring(check: str, n: int, shape: tuple[int, ...], inputs: list[tor
                 hint = T("too_few")
             CheckFailure(check, where, T("send_count", rank=rank, sends=len(sends), sent=sent, recvs=len(recvs)),
                          hint, [f"expected {expect}"]).fail()
-        _check_values(check, where, n, rank, inputs, expected, got, padded, _ring_mistake(inputs, n, rank, got))
+        _check_values(check, where, n, rank, inputs, expected, got, padded,
+                      lambda rank=rank, got=got: _ring_mistake(inputs, n, rank, got))
         if modified:
             _input_modified(check, where, rank)
 
@@ -433,8 +452,8 @@ def _input_modified(check: str, where: str, rank: int) -> None:
 
 
 def _check_values(check: str, where: str, n: int, rank: int, inputs: list[torch.Tensor], expected: torch.Tensor,
-                  got: Any, padded: int, known: Message | None = None) -> None:
-    """Fail unless `got` is the sum; `known`: the hint of a known mistake that `got` is, which names it best."""
+                  got: Any, padded: int, known: Callable[[], Message | None] | None = None) -> None:
+    """Fail unless `got` is the sum; `known()`: the hint of a known mistake that `got` is, which names it best."""
     found = compare_tensor(expected, got, world_size=n, rank=rank, padded_numel=padded)
     if found is None:
         return
@@ -445,7 +464,7 @@ def _check_values(check: str, where: str, n: int, rank: int, inputs: list[torch.
         if diagnosis is not None:
             lines, hint = diagnosis
             details += [f"on rank {rank}: {line}" for line in lines]
-    hint = known or hint
+    hint = (known() if known is not None else None) or hint
     CheckFailure(check, where, problem, hint, details).fail()
 
 

@@ -20,6 +20,7 @@ first thing wrong with a hint:
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -196,13 +197,16 @@ T = catalogue("lora", {
                      "重新数一数：这个类别在一个 rank 上包含哪些展平参数，每个有多少个元素？"),
     "kept_measured": ("rank {rank}: you predicted {got:,} bytes of {category}, the run measured {measured:,}",
                       "rank {rank}：你预测 {category} 为 {got:,} 字节，实际测得 {measured:,}"),
-    "kept_same_units": ("compute from the units and world size you are given only (the run's units are in the details)",
-                        "只根据给你的单元和 world size 来计算（这次运行的单元见详细信息）"),
+    "kept_environment": ("your prediction follows the formula, but this run measured otherwise: something in this "
+                         "kernel changed what a rank holds (the default dtype, the optimizer's settings); restart the "
+                         "kernel and run the notebook again",
+                         "你的预测符合公式，但这次运行测得的不同：这个内核里有东西改变了一个 rank 持有的内容"
+                         "（默认 dtype、优化器的设置）；重启内核，再把笔记本运行一遍"),
     "kept_passed": ("  {cases} made-up layouts at 1 to 3 ranks, then a LoRA fine-tuning step under FSDP: your "
                     "prediction is the bytes measured on every rank at world sizes {sizes} (e.g. {lora:,} bytes kept "
-                    "per rank of 2, where full fine-tuning would keep {full:,})",
+                    "per rank of {n}, where full fine-tuning would keep {full:,})",
                     "  1 到 3 个 rank 上的 {cases} 个构造布局，然后是 FSDP 下的一步 LoRA 微调：你的预测就是每个 rank "
-                    "上测得的字节数，world size 为 {sizes}（例如 2 个 rank 时每个 rank 保存 {lora:,} 字节，"
+                    "上测得的字节数，world size 为 {sizes}（例如 {n} 个 rank 时每个 rank 保存 {lora:,} 字节，"
                     "而全量微调要保存 {full:,}）"),
     # what passed
     "passed": ("  the base frozen, B zero at step 0 (the output is the base's, bit for bit, and follows the base's "
@@ -465,7 +469,8 @@ def _judge_kept(where: str, got: Any, units: Units, n: int) -> None:
         _fail(where, T("kept_keys", got=sorted(map(str, got)), expected=sorted(KEPT)), T("kept_return"),
               check=KEPT_CHECK)
     for category in KEPT:
-        if isinstance(got[category], bool) or not isinstance(got[category], int | float):
+        if isinstance(got[category], bool) or not isinstance(got[category], int | float) \
+                or not math.isfinite(got[category]):
             _fail(where, T("kept_not_number", category=category, shown=repr(got[category])), T("kept_return"),
                   check=KEPT_CHECK)
     expected = _kept_bytes(units, n)
@@ -515,13 +520,13 @@ def check_kept_bytes(fn: Callable[..., Any], world_sizes: Sequence[int] = (2, 3)
         for rank, (units, measured) in enumerate(_measured_kept(n)):
             where = f"a LoRA fine-tuning step under FSDP, world size {n}, rank {rank}"
             got = call_learner(check, name, fn, copy.deepcopy(units), n, where=where)
-            _judge_kept(where, got, units, n)
-            for category in KEPT:
-                if got.get(category) != measured[category]:
-                    _fail(where, T("kept_measured", rank=rank, got=got.get(category), category=category,
-                                   measured=measured[category]), T("kept_same_units"), [f"units: {units}"], KEPT_CHECK)
-            if n == 2 and rank == 0:
+            wrong = [c for c in KEPT if not isinstance(got, dict) or got.get(c) != measured[c]]
+            if wrong:
+                _judge_kept(where, got, units, n)  # names the learner's mistake, if the formula says it is one
+                _fail(where, T("kept_measured", rank=rank, got=got[wrong[0]], category=wrong[0],
+                               measured=measured[wrong[0]]), T("kept_environment"), [f"units: {units}"], KEPT_CHECK)
+            if n == sizes[0] and rank == 0:  # full fine-tuning: one trainable flat parameter per unit
                 lora = sum(measured.values())
-                full = int(sum(_kept_bytes({u: [(k, True) for k, _ in h] for u, h in units.items()}, n).values()))
+                full = int(sum(_kept_bytes({u: [(sum(k for k, _ in h), True)] for u, h in units.items()}, n).values()))
     say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
-        T("kept_passed", cases=len(KEPT_CASES), sizes=", ".join(map(str, sizes)), lora=lora, full=full))
+        T("kept_passed", cases=len(KEPT_CASES), sizes=", ".join(map(str, sizes)), n=sizes[0], lora=lora, full=full))
