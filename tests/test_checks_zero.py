@@ -81,6 +81,14 @@ def one_big_bucket(ctx, grads, bucket_numel):  # ignores bucket_numel: everythin
     return [ctx.reduce_scatter(_padded(ctx, list(grads)), op="mean")]
 
 
+def trims_padding(ctx, grads, bucket_numel):  # the last rank cuts the padding off its chunk
+    def reduce(c, b):
+        chunk = c.reduce_scatter(_padded(c, b), op="mean")
+        real = sum(g.numel() for g in b) - c.rank * chunk.numel()
+        return chunk[:real] if c.rank == c.world_size - 1 else chunk
+    return _buckets(ctx, grads, bucket_numel, reduce)
+
+
 def stub(ctx, grads, bucket_numel):
     raise NotImplementedError()
 
@@ -112,6 +120,11 @@ def test_three_ranks_pad_the_last_bucket_and_tell_the_rank(capsys: pytest.Captur
                 fields={"rank": 0, "other": 1})
     assert "world size 3, case 0" in out
     fails(check_zero2_reduce, summed, world_sizes=(3,), capsys=capsys, says="zero.summed", fields={"n": 3})
+
+
+def test_the_last_rank_trimming_its_padding_is_told_to_keep_the_chunk_whole(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    fails(check_zero2_reduce, trims_padding, world_sizes=(2,), capsys=capsys, says="zero.keep_whole")
 
 
 def test_one_rank_cannot_tell_a_sum_but_still_sees_the_buckets(capsys: pytest.CaptureFixture[str]) -> None:

@@ -272,8 +272,8 @@ def _judge(check: str, where: str, n: int, rank: int, run: _Run, expected: list[
             numel = sum(numels[i] for i in buckets[b])
             if chunk.numel() == padded_numel(numel, n):
                 hint = T("whole_bucket")
-            elif n > 1 and chunk.numel() * n == numel:
-                hint = T("keep_whole")
+            elif n > 1 and rank == n - 1 and chunk.numel() == numel - (n - 1) * (padded_numel(numel, n) // n):
+                hint = T("keep_whole")  # the last rank cut its chunk's padding off
             else:
                 hint = T("flatten_pad", numel=numel, padded=padded_numel(numel, n), n=n,
                          each=padded_numel(numel, n) // n)
