@@ -333,7 +333,6 @@ def test_figures_write_their_words_in_the_course_language(monkeypatch: pytest.Mo
     """In Chinese every word a figure writes is Chinese, except names from code and data; in English, none is."""
     if i18n.cjk_font() is None:
         pytest.skip("no CJK font on this machine: figures keep English (test_without_a_cjk_font_figures_stay_english)")
-    monkeypatch.setattr(i18n, "_installed", False)  # what use_chinese_figures sets is undone after the test
     monkeypatch.setitem(matplotlib.rcParams, "font.family", list(matplotlib.rcParams["font.family"]))
     monkeypatch.setenv("FSDP_COURSE_LANG", "zh")
     chinese = [text for fig in _figures() for text in _texts(fig)]
@@ -346,7 +345,6 @@ def test_figures_write_their_words_in_the_course_language(monkeypatch: pytest.Mo
 
 
 def test_a_cjk_font_shows_the_chinese(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(i18n, "_installed", False)
     monkeypatch.setitem(matplotlib.rcParams, "font.family", list(matplotlib.rcParams["font.family"]))
     if i18n.cjk_font() is None:
         pytest.skip("no CJK font on this machine: see test_without_a_cjk_font_figures_stay_english")
@@ -360,7 +358,6 @@ def test_a_cjk_font_shows_the_chinese(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_without_a_cjk_font_figures_stay_english(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(i18n, "_installed", False)
     monkeypatch.setattr(i18n, "cjk_font", lambda: None)
     i18n._warned.clear()
     with pytest.warns(UserWarning, match="no Chinese font found.*fonts-noto-cjk"):

@@ -80,15 +80,10 @@ def cjk_font() -> str | None:
     return found
 
 
-_installed = False
-
-
 def use_chinese_figures() -> bool:
-    """Give matplotlib a CJK font to fall back on, so that figure text in Chinese shows. False (one warning) when the
-    machine has no CJK font: figures then keep their English labels (`figure_language`)."""
-    global _installed
-    if _installed:
-        return True
+    """Give matplotlib a CJK font to fall back on, so that figure text in Chinese shows (checked at every call: the
+    font list may have been reset since). False (one warning) when the machine has no CJK font: figures then keep
+    their English labels (`figure_language`)."""
     font = cjk_font()
     if font is None:
         _warn_once("fsdp_course: no Chinese font found, so figures keep their English labels. " + INSTALL_FONT
@@ -97,9 +92,9 @@ def use_chinese_figures() -> bool:
     import matplotlib
 
     # a list of families: matplotlib takes each glyph from the first that has it (Latin and Greek from the usual font)
-    family = [f for f in matplotlib.rcParams["font.family"] if f != font]
-    matplotlib.rcParams["font.family"] = [*family, font]
-    _installed = True
+    family = list(matplotlib.rcParams["font.family"])
+    if font not in family:
+        matplotlib.rcParams["font.family"] = [*family, font]
     return True
 
 

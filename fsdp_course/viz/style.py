@@ -13,6 +13,7 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from fsdp_course.i18n import figure_language
 from fsdp_course.i18n.messages import catalogue, text
 
 RANK_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
@@ -69,6 +70,10 @@ _UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 
 
 class CourseFigure(Figure):
     """A Figure that shows itself as a PNG in IPython even when pyplot was never imported."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        figure_language()  # in Chinese: the CJK font joins matplotlib's list before the figure makes any text
+        super().__init__(*args, **kwargs)
 
     def _repr_png_(self) -> bytes:
         buf = io.BytesIO()
