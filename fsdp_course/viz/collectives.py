@@ -17,7 +17,6 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from fsdp_course.i18n import language
 from fsdp_course.i18n.messages import Message, catalogue, text
 from fsdp_course.runtime.cost_model import CostFit, Sample
 from fsdp_course.runtime.ledger import ring_bytes
@@ -52,8 +51,8 @@ Panel = tuple[str | Message, Sequence[Sequence[float]]]  # (label, one row of va
 def show_ranks(title: str | Message, *panels: Panel) -> Figure:
     """Print each rank's values at each stage, then draw them as rows of boxes, one row per rank. A title or label
     is a name from code ("all_gather", "op='sum'") or a catalogued `STAGE(...)`, written in the course's language."""
-    for label, rows in panels:  # printed in the course's language (no font needed), drawn in the figures'
-        print(f"{label.render(language()) if isinstance(label, Message) else label}:")
+    for label, rows in panels:  # printed in English, as every printed output of a lesson (the Chinese edition copies
+        print(f"{label}:")      # them); drawn in the figures' language
         for rank, row in enumerate(rows):
             print(f"  rank {rank}: [{', '.join(f'{v:g}' for v in row)}]")
     widths = [max(len(row) for row in rows) for _, rows in panels]
