@@ -404,3 +404,13 @@ def test_chunk_diagnosis_cannot_solve_chunks_smaller_than_the_world() -> None:
                                   torch.tensor([7.0, 12.0, 5.0, 4.0]), 2)
     assert lines == ["chunk 0 (flat elements 0..1) has rank 1's contribution twice"]
     assert "added twice" in hint.en
+
+
+def test_the_judge_of_known_mistakes_names_one_or_none() -> None:
+    from fsdp_course.classroom.checks._common import T, known_mistake
+
+    divisible, skipped = (lambda: T("divisible")), (lambda: T("skipped"))
+    assert known_mistake(3, [(3, divisible), (4, skipped)]).id == "common.divisible"
+    assert known_mistake(3, [(3, divisible), (None, skipped), (3.0, divisible)]).id == "common.divisible"
+    assert known_mistake(3, [(3, divisible), (3, skipped)]) is None  # two mistakes, one result: neither is named
+    assert known_mistake(5, [(3, divisible)]) is None

@@ -29,7 +29,7 @@ import os
 import sys
 import sysconfig
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TextIO
 
@@ -43,7 +43,8 @@ from fsdp_course.runtime.monitor import CollectiveHang, CollectiveMismatch
 from fsdp_course.runtime.simulate import RankError, run_ranks
 
 __all__ = ["CHECK_TIMEOUT", "CheckFailed", "CheckFailure", "Message", "T", "call_learner", "compare_tensor",
-           "exception_hint", "format_tensor", "headed_output", "in_ipython", "learner_frames", "not_implemented",
+           "exception_hint", "format_tensor", "headed_output", "in_ipython", "known_mistake", "learner_frames",
+           "not_implemented",
            "padded_flat_grads", "render_for_ipython", "require_callable", "require_world_sizes", "run_checked", "say"]
 
 LIBRARY_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # .../fsdp_course/
@@ -163,6 +164,19 @@ class CheckFailed(AssertionError):
     def _render_traceback_(self) -> list[str]:
         """IPython's hook: the lines it shows for this exception instead of its own traceback."""
         return render_for_ipython(self, self.failure.report())
+
+
+def known_mistake(got: Any, mistakes: Iterable[tuple[Any, Callable[[], Message]]],
+                  same: Callable[[Any, Any], bool] = lambda a, b: a == b) -> Message | None:
+    """The one judge of the checkers' tables of known mistakes: each entry is what that mistake gives (None where it
+    does not apply) and its hint. The hint of the mistake whose result is `got`; None if none is, or if two that
+    give the same result have different hints (then no hint can say which one was made)."""
+    found = {}
+    for value, hint in mistakes:
+        if value is not None and same(got, value):
+            message = hint()
+            found[message.id] = message
+    return next(iter(found.values())) if len(found) == 1 else None
 
 
 def say(*lines: Message) -> None:

@@ -34,7 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_course.classroom.checks._common import CHECK_TIMEOUT, CheckFailure, call_learner, require_callable, say
+from fsdp_course.classroom.checks._common import (
+    CHECK_TIMEOUT,
+    CheckFailure,
+    call_learner,
+    known_mistake,
+    require_callable,
+    say,
+)
 from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.memory import (
@@ -542,13 +549,11 @@ def check_bytes_sent(fn: Callable[[int, int, int], float]) -> None:
 
 def _traffic_hint(got: float, psi: int, n: int, stage: int) -> Message:
     passes = 3 if stage == 3 else 2
-    if _close(got, passes * 4 * psi):
-        return T("ring_n_minus_1")
-    if _close(got * 4, passes * 4 * psi * (n - 1) / n):
-        return T("elements")
-    if _close(got, (5 - passes) * 4 * psi * (n - 1) / n):
-        return T("two_or_three_passes")
-    return T("traffic", stage=STAGES[stage], passes=passes)
+    ring = (n - 1) / n
+    return known_mistake(got, [(passes * 4 * psi, lambda: T("ring_n_minus_1")),  # the whole payload, not (N-1)/N
+                               (passes * psi * ring, lambda: T("elements")),  # elements, not bytes
+                               ((5 - passes) * 4 * psi * ring, lambda: T("two_or_three_passes"))],
+                         _close) or T("traffic", stage=STAGES[stage], passes=passes)
 
 
 # -- comm_seconds ----------------------------------------------------------------------------------------------------

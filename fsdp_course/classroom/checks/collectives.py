@@ -31,6 +31,7 @@ from fsdp_course.classroom.checks._common import (
     compare_tensor,
     exception_hint,
     format_tensor,
+    known_mistake,
     require_callable,
     require_world_sizes,
     run_checked,
@@ -406,10 +407,9 @@ def _ring_mistake(inputs: list[torch.Tensor], n: int, rank: int, got: Any) -> Me
     give the same numbers: then the chunk-by-chunk diagnosis speaks)."""
     if not isinstance(got, torch.Tensor) or got.shape != inputs[0].shape:
         return None
-    value = got.detach().to(inputs[0].dtype)
-    hints = {hint().id: hint() for changed, hint in RING_MISTAKES
-             if torch.equal(value, ring_schedule(inputs, n, **changed)[rank])}
-    return next(iter(hints.values())) if len(hints) == 1 else None
+    return known_mistake(got.detach().to(inputs[0].dtype),
+                         [(ring_schedule(inputs, n, **changed)[rank], hint) for changed, hint in RING_MISTAKES],
+                         torch.equal)
 
 
 def _check_one_ring(check: str, n: int, shape: tuple[int, ...], inputs: list[torch.Tensor],

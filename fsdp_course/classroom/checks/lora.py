@@ -32,6 +32,7 @@ from fsdp_course.classroom.checks._common import (
     CheckFailure,
     call_learner,
     format_tensor,
+    known_mistake,
     require_callable,
     require_world_sizes,
     say,
@@ -481,10 +482,11 @@ def _judge_kept(where: str, got: Any, units: Units, n: int) -> None:
         problem = T("kept_differs", category=category, expected=int(expected[category]), got=value)
         gap = expected[category] - value
         short = int(gap) if gap == int(gap) else round(gap, 1)
-        for keywords, hint in KEPT_MISTAKES:
-            if _kept_bytes(units, n, **keywords)[category] == value:
-                _fail(where, problem, hint(category, short, n), check=KEPT_CHECK)
-        _fail(where, problem, T("kept_round") if value != int(value) else T("kept_recount"), check=KEPT_CHECK)
+        named = known_mistake(value, [(_kept_bytes(units, n, **keywords)[category],
+                                       lambda hint=hint, c=category, s=short: hint(c, s, n))
+                                      for keywords, hint in KEPT_MISTAKES])
+        fallback = T("kept_round") if value != int(value) else T("kept_recount")
+        _fail(where, problem, named or fallback, check=KEPT_CHECK)
 
 
 def _measured_kept(n: int) -> list[tuple[Units, dict[str, int]]]:
