@@ -413,4 +413,5 @@ def test_the_judge_of_known_mistakes_names_one_or_none() -> None:
     assert known_mistake(3, [(3, divisible), (4, skipped)]).id == "common.divisible"
     assert known_mistake(3, [(3, divisible), (None, skipped), (3.0, divisible)]).id == "common.divisible"
     assert known_mistake(3, [(3, divisible), (3, skipped)]) is None  # two mistakes, one result: neither is named
+    assert known_mistake(3, [(3, divisible), (3, skipped)], first=True).id == "common.divisible"  # the likelier
     assert known_mistake(5, [(3, divisible)]) is None

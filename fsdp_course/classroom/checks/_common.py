@@ -167,14 +167,17 @@ class CheckFailed(AssertionError):
 
 
 def known_mistake(got: Any, mistakes: Iterable[tuple[Any, Callable[[], Message]]],
-                  same: Callable[[Any, Any], bool] = lambda a, b: a == b) -> Message | None:
+                  same: Callable[[Any, Any], bool] = lambda a, b: a == b, *, first: bool = False) -> Message | None:
     """The one judge of the checkers' tables of known mistakes: each entry is what that mistake gives (None where it
-    does not apply) and its hint. The hint of the mistake whose result is `got`; None if none is, or if two that
-    give the same result have different hints (then no hint can say which one was made)."""
+    does not apply) and its hint. The hint of the mistake whose result is `got`, or None. Where two mistakes with
+    different hints give that result: with `first`, the table's order says which is likelier (the first); without,
+    none is named (no hint can say which one was made)."""
     found = {}
     for value, hint in mistakes:
         if value is not None and same(got, value):
             message = hint()
+            if first:
+                return message
             found[message.id] = message
     return next(iter(found.values())) if len(found) == 1 else None
 

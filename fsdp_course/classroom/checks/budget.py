@@ -272,34 +272,29 @@ def _number(check: str, where: str, got: Any, allow_none: bool = False) -> float
 def _device_hint(got: float, psi: int, n: int, stage: int, offload: bool, unit: int) -> Message:
     expected = budget_formula(psi, n, stage, offload=offload, gathered_numel=unit)
     states = zero_formula(psi, n, stage, gathered_numel=unit)
-    if offload and _close(got, expected["device"] + expected["host"]):
-        return T("offload_counted")
+    device, adam, gathered = expected["device"], states["optimizer"], states["gathered"]
     kept = ((T("kept_params_grads"), states["params"] + states["grads"]),
             (T("kept_params"), states["params"]),
             (T("kept_params_adam"), states["params"] + states["optimizer"]))
-    for what, nbytes in kept:
-        if offload and _close(got, expected["device"] + nbytes):
-            return T("kept_on_device", what=what)
-    if _close(got, expected["device"] - states["optimizer"]) and states["optimizer"]:
-        return T("forgot_moments")
-    if _close(got, expected["device"] - states["optimizer"] / 2) and states["optimizer"]:
-        return T("adam_two_tensors")
-    if stage == 3 and _close(got, expected["device"] - states["gathered"]):
-        return T("gathers_one_unit")
-    if stage == 3 and _close(got, expected["device"] - states["gathered"] / 2):
-        return T("gathered_grad_full")
-    if _close(got * 4, expected["device"]):
-        return T("elements")
-    if 0 < abs(got - expected["device"]) < 8 and got == int(got):
-        return T("rounded", got=got, expected=expected["device"],
-                 direction=T("down" if got < expected["device"] else "up"))
-    if n > 1 and _close(got, sum(states[k] * (n if stage >= s else 1)
-                                 for k, s in (("params", 3), ("grads", 2), ("optimizer", 1))) + states["gathered"]):
-        return T("divide_by_n", stage=STAGES[stage])
-    for other in (stage - 1, stage + 1):
-        neighbour = budget_formula(psi, n, other, gathered_numel=unit)["device"] if 0 <= other <= 3 else None
-        if neighbour is not None and not offload and _close(got, neighbour):
-            return T("neighbour_peak", other=STAGES[other], stage=STAGES[stage])
+    unsharded = sum(states[k] * (n if stage >= s else 1) for k, s in (("params", 3), ("grads", 2), ("optimizer", 1)))
+    named = known_mistake(got, [  # what each known mistake gives (None where it cannot be made), and its hint
+        (device + expected["host"] if offload else None, lambda: T("offload_counted")),
+        *[(device + nbytes if offload else None, lambda what=what: T("kept_on_device", what=what))
+          for what, nbytes in kept],
+        (device - adam if adam else None, lambda: T("forgot_moments")),
+        (device - adam / 2 if adam else None, lambda: T("adam_two_tensors")),
+        (device - gathered if stage == 3 else None, lambda: T("gathers_one_unit")),
+        (device - gathered / 2 if stage == 3 else None, lambda: T("gathered_grad_full")),
+        (device / 4, lambda: T("elements")),
+        (unsharded + gathered if n > 1 else None, lambda: T("divide_by_n", stage=STAGES[stage])),
+        *[(budget_formula(psi, n, other, gathered_numel=unit)["device"] if 0 <= other <= 3 and not offload else None,
+           lambda other=other: T("neighbour_peak", other=STAGES[other], stage=STAGES[stage]))
+          for other in (stage - 1, stage + 1)],
+    ], _close, first=True)  # in the order of the old hints: the likelier mistake first
+    if named is not None:
+        return named
+    if 0 < abs(got - device) < 8 and got == int(got):
+        return T("rounded", got=got, expected=device, direction=T("down" if got < device else "up"))
     what = T(("shards_nothing", "shards_optimizer", "shards_grads", "shards_all")[stage])
     return T("per_parameter", stage=STAGES[stage], what=what, offload=T("offload_moves") if offload else "")
 
@@ -553,7 +548,7 @@ def _traffic_hint(got: float, psi: int, n: int, stage: int) -> Message:
     return known_mistake(got, [(passes * 4 * psi, lambda: T("ring_n_minus_1")),  # the whole payload, not (N-1)/N
                                (passes * psi * ring, lambda: T("elements")),  # elements, not bytes
                                ((5 - passes) * 4 * psi * ring, lambda: T("two_or_three_passes"))],
-                         _close) or T("traffic", stage=STAGES[stage], passes=passes)
+                         _close, first=True) or T("traffic", stage=STAGES[stage], passes=passes)
 
 
 # -- comm_seconds ----------------------------------------------------------------------------------------------------
@@ -579,20 +574,18 @@ def _comm_hint(got: float, psi: int, n: int, units: int, alpha: float, beta: flo
     def total(steps: float, per_byte: float, collectives: int = 3, count: int = units) -> float:
         return count * collectives * (steps * alpha + per_byte)
 
-    n_for_n_minus_1 = (total(n, ring), total(n, b * beta), total(n - 1, b * beta))
-    if n > 1 and any(_close(got, wrong) for wrong in n_for_n_minus_1):
-        return T("ring_steps")
-    if n > 2 and _close(got, total(1, ring)):
-        return T("latency", k=n - 1)
-    if n > 1 and units > 1 and _close(got, total(n - 1, ring * units)):
-        return T("bandwidth", units=units, psi=psi)
-    if n > 1 and _close(got, total(n - 1, ring * units, count=1)):
-        return T("own_collective")
-    if n > 1 and _close(got, total(n - 1, ring, collectives=2)):
-        return T("three_collectives")
-    if n == 1 and got != 0:
-        return T("one_rank")
-    return T("per_unit")
+    several = n > 1
+    named = known_mistake(got, [  # what each known mistake gives (None where it cannot be made), and its hint
+        *[(wrong if several else None, lambda: T("ring_steps"))  # N where the ring takes N - 1
+          for wrong in (total(n, ring), total(n, b * beta), total(n - 1, b * beta))],
+        (total(1, ring) if n > 2 else None, lambda: T("latency", k=n - 1)),
+        (total(n - 1, ring * units) if several and units > 1 else None, lambda: T("bandwidth", units=units, psi=psi)),
+        (total(n - 1, ring * units, count=1) if several else None, lambda: T("own_collective")),
+        (total(n - 1, ring, collectives=2) if several else None, lambda: T("three_collectives")),
+    ], _close, first=True)
+    if named is not None:
+        return named
+    return T("one_rank") if n == 1 and got != 0 else T("per_unit")
 
 
 def check_comm_seconds(fn: Callable[[int, int, int, float, float], float]) -> None:

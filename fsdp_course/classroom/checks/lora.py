@@ -484,7 +484,7 @@ def _judge_kept(where: str, got: Any, units: Units, n: int) -> None:
         short = int(gap) if gap == int(gap) else round(gap, 1)
         named = known_mistake(value, [(_kept_bytes(units, n, **keywords)[category],
                                        lambda hint=hint, c=category, s=short: hint(c, s, n))
-                                      for keywords, hint in KEPT_MISTAKES])
+                                      for keywords, hint in KEPT_MISTAKES], first=True)
         fallback = T("kept_round") if value != int(value) else T("kept_recount")
         _fail(where, problem, named or fallback, check=KEPT_CHECK)
 

@@ -26,6 +26,7 @@ from fsdp_course.classroom.checks._common import (
     CheckFailure,
     Message,
     call_learner,
+    known_mistake,
     require_callable,
     say,
 )
@@ -132,15 +133,14 @@ def _hint(key: str, stage: int, n: int, got: float, expected: float) -> Message:
         return T("total")
     shared = stage >= SHARDED_FROM_STAGE[key]
     what = T({"params": "parameters", "grads": "gradients", "optimizer": "adam_state"}[key])
-    if n > 1 and abs(got - expected * n) < 1e-6 * expected * n and shared:
-        return T("shards", stage_name=STAGE_NAMES[stage], what=what, first=SHARDED_FROM_STAGE[key])
-    if n > 1 and abs(got * n - expected) < 1e-6 * expected and not shared:
-        return T("not_yet", stage_name=STAGE_NAMES[stage], what=what)
-    if key == "optimizer" and abs(got * 2 - expected) < 1e-6 * expected:
-        return T("adam_two")
-    if expected and abs(got * 4 - expected) < 1e-6 * expected:
-        return T("elements")
-    return T("per_parameter")
+    return known_mistake(got, [  # what each known mistake gives (None where it cannot be made), and its hint
+        (expected * n if n > 1 and shared else None,  # not divided by N where the stage shards
+         lambda: T("shards", stage_name=STAGE_NAMES[stage], what=what, first=SHARDED_FROM_STAGE[key])),
+        (expected / n if n > 1 and not shared else None,  # divided by N where the stage does not shard yet
+         lambda: T("not_yet", stage_name=STAGE_NAMES[stage], what=what)),
+        (expected / 2 if key == "optimizer" else None, lambda: T("adam_two")),
+        (expected / 4 if expected else None, lambda: T("elements")),
+    ], lambda a, b: abs(a - b) < 1e-6 * abs(b), first=True) or T("per_parameter")
 
 
 def check_zero_memory(fn: Callable[[int, int, int], dict[str, float]]) -> None:
