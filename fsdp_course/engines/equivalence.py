@@ -200,6 +200,20 @@ class Trace:
         return [StepRecord(loss, shaped(grads), shaped(params))
                 for loss, grads, params in zip(self.losses, self.grads, self.params, strict=True)]
 
+    def record(self, trainee: Trainee, loss: Tensor, records: Sequence[Any] | None = None) -> None:
+        """One step after `trainee.step()`: its loss, gradient and parameter pieces, its memory, and, given the
+        ledger records the step made, the bytes each op sent and the (phase, op) of each collective."""
+        self.losses.append(loss.item())
+        self.grads.append(trainee.grad_pieces())
+        self.params.append(trainee.param_pieces())
+        if records is not None:
+            sent: dict[str, float] = {}
+            for record in records:
+                sent[record.op] = sent.get(record.op, 0.0) + record.sent_bytes
+            self.sent.append(sent)
+            self.calls.append([(record.label, record.op) for record in records])
+        self.memory.append(trainee.memory())
+
 
 def train(trainee: Trainee, batches: Sequence[Batch], ledger: Ledger | None = None,
           loss_fn: LossFn = F.cross_entropy) -> Trace:
@@ -224,16 +238,7 @@ def train(trainee: Trainee, batches: Sequence[Batch], ledger: Ledger | None = No
         phase("step")
         trainee.step()
         phase(label)
-        trace.losses.append(loss.item())
-        trace.grads.append(trainee.grad_pieces())
-        trace.params.append(trainee.param_pieces())
-        if ledger is not None:
-            sent: dict[str, float] = {}
-            for record in ledger.records[first:]:
-                sent[record.op] = sent.get(record.op, 0.0) + record.sent_bytes
-            trace.sent.append(sent)
-            trace.calls.append([(record.label, record.op) for record in ledger.records[first:]])
-        trace.memory.append(trainee.memory())
+        trace.record(trainee, loss, ledger.records[first:] if ledger is not None else None)
         trainee.zero_grad()
     return trace
 

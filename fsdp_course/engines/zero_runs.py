@@ -127,15 +127,7 @@ def _train_one(name: str, model: nn.Module, ctx: RankContext, optimizer_factory:
         loss = F.cross_entropy(trainee(x), y)
         loss.backward()
         trainee.step()
-        trace.losses.append(loss.item())
-        trace.grads.append(trainee.grad_pieces())
-        trace.params.append(trainee.param_pieces())
-        sent: dict[str, float] = {}
-        for record in ledger.records[first:]:
-            sent[record.op] = sent.get(record.op, 0.0) + record.sent_bytes
-        trace.sent.append(sent)
-        trace.calls.append([(record.label, record.op) for record in ledger.records[first:]])
-        trace.memory.append(trainee.memory())
+        trace.record(trainee, loss, ledger.records[first:])
         trainee.zero_grad()
     return trace
 

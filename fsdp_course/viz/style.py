@@ -23,27 +23,18 @@ CATEGORY_COLORS = {"params": "#4c72b0", "sharded_params": "#64b5cd", "gathered_p
                    "buffers": "#937860", "gathered": "#8172b3", "other": "#b0b0b0", "total": "#8c8c8c"}
 CATEGORY_HATCHES = {"sharded_params": "///", "sharded_grads": "///"}  # a shard: its family's colour, hatched
 
-T = catalogue("viz", {  # words every figure uses: the memory categories, phases, byte axes
-    "params": ("params", "参数（params）"), "sharded_params": ("sharded_params", "分片参数"),
-    "gathered_params": ("gathered_params", "聚合后的参数"), "grads": ("grads", "梯度（grads）"),
-    "sharded_grads": ("sharded_grads", "分片梯度"), "optimizer": ("optimizer", "优化器状态"),
-    "buffers": ("buffers", "缓冲区"), "gathered": ("gathered", "聚合后的参数"), "other": ("other", "其他"),
-    "total": ("total", "总计"), "activations": ("activations", "激活值"), "measured": ("measured", "实测"),
-    "forward": ("forward", "前向传播"), "backward": ("backward", "反向传播"),
-    # events an engine records that are words, not names from code
-    "forward done": ("forward done", "前向传播结束"), "backward done": ("backward done", "反向传播结束"),
-    "optimizer step": ("optimizer step", "优化器更新"), "step starts": ("step starts", "本步开始"),
-    "init": ("init", "初始化"), "after step": ("after step", "优化器更新之后"),
-    "all_gather parameters": ("all_gather parameters", "all_gather 参数"),
-    "all_reduce gradients": ("all_reduce gradients", "all_reduce 梯度"),
-    "reduce_scatter gradients": ("reduce_scatter gradients", "reduce_scatter 梯度"),
-    "bytes_axis": ("bytes ({unit})", "字节（{unit}）"),
-    "peak": ("peak {what}", "峰值 {what}"),
-})
-_WORDS = {"params", "sharded_params", "gathered_params", "grads", "sharded_grads", "optimizer", "buffers",
-          "gathered", "other", "total", "activations", "measured", "forward", "backward", "forward done",
-          "backward done", "optimizer step", "step starts", "init", "after step", "all_gather parameters",
-          "all_reduce gradients", "reduce_scatter gradients"}
+_WORDS = {  # names figures write as words (a memory category, a phase, an engine's event): name -> its Chinese
+    "params": "参数（params）", "sharded_params": "分片参数", "gathered_params": "聚合后的参数",
+    "grads": "梯度（grads）", "sharded_grads": "分片梯度", "optimizer": "优化器状态", "buffers": "缓冲区",
+    "gathered": "聚合后的参数",
+    "other": "其他", "total": "总计", "activations": "激活值", "measured": "实测", "forward": "前向传播",
+    "backward": "反向传播", "forward done": "前向传播结束", "backward done": "反向传播结束",
+    "optimizer step": "优化器更新", "step starts": "本步开始", "init": "初始化", "after step": "优化器更新之后",
+    "all_gather parameters": "all_gather 参数", "all_reduce gradients": "all_reduce 梯度",
+    "reduce_scatter gradients": "reduce_scatter 梯度",
+}
+T = catalogue("viz", {**{name: (name, zh) for name, zh in _WORDS.items()},  # the English of a word is its name
+                      "bytes_axis": ("bytes ({unit})", "字节（{unit}）"), "peak": ("peak {what}", "峰值 {what}")})
 
 
 def word(name: str) -> str:

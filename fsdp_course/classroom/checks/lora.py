@@ -449,12 +449,14 @@ def _kept_bytes(units: Units, world_size: int, *, grads_of_frozen: bool = False,
             + 4 * step * (len(trainable) + (len(frozen) if step_of_frozen else 0))}
 
 
-KEPT_MISTAKES: list[tuple[dict[str, Any], Callable[[str, int, int], Message]]] = [  # the mistake as _kept_bytes'
+def _unpadded(category: str, short: float, n: int) -> Message:
+    return T("kept_unpadded", category=category, short=short, n=n)
+
+
+KEPT_MISTAKES: list[tuple[dict[str, Any], Callable[[str, float, int], Message]]] = [  # the mistake as _kept_bytes'
     ({"frozen_params": False}, lambda category, short, n: T("kept_frozen_left_out")),  # keywords, and its hint
     ({"sharded": False}, lambda category, short, n: T("kept_whole")),
-    ({"pieces": "exact"}, lambda category, short, n: T("kept_unpadded", category=category, short=short, n=n)),
-    ({"pieces": "floor"}, lambda category, short, n: T("kept_unpadded", category=category, short=short, n=n)),
-    ({"pieces": "total"}, lambda category, short, n: T("kept_unpadded", category=category, short=short, n=n)),
+    *[({"pieces": pieces}, _unpadded) for pieces in ("exact", "floor", "total")],
     ({"grads_of_frozen": True}, lambda category, short, n: T("kept_frozen_grad")),
     ({"state_of_frozen": True}, lambda category, short, n: T("kept_frozen_state")),
     ({"state_of_frozen": True, "step_of_frozen": True}, lambda category, short, n: T("kept_frozen_state")),
