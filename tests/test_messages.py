@@ -125,6 +125,29 @@ def test_the_catalogue_refuses_what_would_leave_a_learner_in_english() -> None:
         del CATALOGUE[name]
 
 
+def test_every_catalogue_file_is_read_and_a_bad_one_is_refused_by_name(tmp_path: Path) -> None:
+    """Each `catalogues/<module>.yml` is registered (so checked) once the checkers and figures are imported; a file
+    that YAML reads otherwise than `id: {en, zh}` is refused with its path and the entry."""
+    import importlib
+    import pkgutil
+
+    import fsdp_course.viz as viz
+    from fsdp_course.i18n import messages
+
+    for module in pkgutil.iter_modules(viz.__path__):
+        importlib.import_module(f"fsdp_course.viz.{module.name}")
+    registered = {name.rsplit(".", 1)[0] for name in CATALOGUE}
+    files = {path.stem for path in messages.CATALOGUES.glob("*.yml")}
+    assert files and files <= registered, f"catalogues no module reads: {sorted(files - registered)}"
+    for text, refusal in [("no:\n  en: a\n  zh: 甲\n", "put it in quotes"),
+                          ("a:\n  en: only English\n", "exactly an `en:` and a `zh:`"),
+                          ("- a list\n", "one entry per message id")]:
+        (tmp_path / "t_file.yml").write_text(text, encoding="utf-8")
+        with pytest.raises(ValueError, match=refusal) as refused:
+            messages._read(tmp_path / "t_file.yml")
+        assert "t_file.yml" in str(refused.value)
+
+
 def _averaging_all_reduce(ctx, tensor):  # a planted mistake: the mean where the sum is asked
     flat = torch.cat([tensor.reshape(-1), tensor.new_zeros(-tensor.numel() % ctx.world_size)])
     return ctx.all_gather(ctx.reduce_scatter(flat, op="mean"))[:tensor.numel()].reshape(tensor.shape)

@@ -94,3 +94,13 @@ def test_the_repository_stands_alone() -> None:
     found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in files
              for m in [outside.search(p.read_text(encoding="utf-8"))] if m and p.name != "test_packaging.py"]
     assert not found, found
+
+
+def test_every_file_the_package_reads_that_is_not_python_is_installed() -> None:
+    """A wheel carries only .py files unless package-data names the rest: the message catalogues must be named."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    data = pyproject["tool"]["setuptools"]["package-data"]
+    named = {path for package, globs in data.items() for pattern in globs
+             for path in (ROOT / package.replace(".", "/")).glob(pattern)}
+    files = {p for p in (ROOT / "fsdp_course").rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc")}
+    assert files and files <= named, f"not installed by a wheel: {sorted(str(p) for p in files - named)}"

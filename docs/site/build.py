@@ -20,7 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = Path(__file__).resolve().parent
-GUIDES = ("INSTRUCTORS.md", "AUTHORS.md", "TRANSLATING.md", "ARCHITECTURE.md")  # docs/ pages, English only
+GUIDES = ("INSTRUCTORS.md", "AUTHORS.md", "TRANSLATING.md", "ARCHITECTURE.md",
+          "CLASSROOM.md")  # docs/ pages, English only
 DEEPER = ("## Going deeper", "## 深入一步")
 TEXT = {
     "en": {"title": "FSDP from scratch", "twin": "中文", "home_twin": "中文版",
@@ -31,7 +32,8 @@ TEXT = {
            "guide_names": {"INSTRUCTORS.md": "Instructor's guide: exercises and grading a class",
                            "AUTHORS.md": "Author's guide: notebooks are claims, re-running, saving",
                            "TRANSLATING.md": "The Chinese edition: how it is made and kept in step",
-                           "ARCHITECTURE.md": "The library's architecture"}},
+                           "ARCHITECTURE.md": "The library's architecture",
+                           "CLASSROOM.md": "The classroom: checkers, grading, the authors' tools"}},
     "zh": {"title": "从零实现 FSDP", "twin": "English", "home_twin": "English",
            "run": "自己运行：在课程的克隆中执行 <code>make lab-zh</code> 打开中文版 JupyterLab；本页是 "
                   "<code>{path}</code>。",
@@ -40,7 +42,8 @@ TEXT = {
            "guide_names": {"INSTRUCTORS.md": "教师指南：练习与批改（英文）",
                            "AUTHORS.md": "作者指南：笔记本即断言、重新运行与保存（英文）",
                            "TRANSLATING.md": "中文版是怎样生成并保持同步的（英文）",
-                           "ARCHITECTURE.md": "库的架构（英文）"}},
+                           "ARCHITECTURE.md": "库的架构（英文）",
+                           "CLASSROOM.md": "课堂层：检查器、批改与作者工具（英文）"}},
 }
 _LINK = re.compile(r"(?<!!)\[([^\]\n]*)\]\(([^)\s]+)\)")
 

@@ -1,57 +1,6 @@
 """Grade one submitted notebook with nbgrader's own preprocessors: the worker behind `fsdp-course grade`.
 
-nbgrader's `autograde` runs two passes over a submission, both built from its preprocessors, against a
-gradebook made from the instructor's notebooks. This module runs the same passes, without a course
-directory:
-
-- gradebook: `build_gradebook` feeds every `solutions/NN_topic.ipynb` through `ClearSolutions`,
-  `ClearOutput`, `ComputeChecksums` and `SaveCells` (what `nbgrader generate_assignment` does), so the
-  gradebook holds each checker cell as the instructor wrote it, hidden tests included;
-- sanitize: `ClearOutput`, `DeduplicateIds`, `OverwriteKernelspec`, `OverwriteCells` (with
-  `add_missing_cells`: a deleted checker comes back; an edited or emptied one is put back by its
-  checksum), `CheckCellMetadata`;
-- execute: nbgrader's `Execute` in a fresh kernel of this Python, extended (timed_execute.py) with one
-  time limit for the whole notebook and a cap on each cell's output; then `LimitOutput`. The kernel runs
-  in the job's sandbox folder: its cwd `SANDBOX/work/NN_topic` holds only a copy of the notebook, its `TMPDIR` is
-  `SANDBOX/tmp`, its environment names no other folder of the grader's (PWD is dropped); its connection
-  file and sockets are in the job's private folder. When the notebook ends, the kernel and every
-  process below this one are killed, also those started in a new session;
-- score: `SaveAutoGrades` into this process's copy of the gradebook (nbgrader's `determine_grade`: a
-  checker cell with an error, or with output on stderr, scores 0), read back per checker cell.
-
-The gradebook is an in-memory SQLite database of this process, loaded from SQL text
-(`gradebook_sql`): while students' code runs, no gradebook file exists that a notebook could find.
-
-Four steps are added, each for a case nbgrader leaves open: a cell that names no cell of this
-exercise loses its nbgrader metadata (SaveAutoGrades would crash on it); the exercise's cells get
-the instructor's nbgrader flags back (a solution cell turned into a checker gains nothing); a
-checker cell moved above the cells it checks is moved back below them; and cells left unexecuted
-(time limit, dead kernel) get an error output, so `determine_grade` cannot mistake "never ran" for
-"no error". If `add_missing_cells` cannot place a deleted checker (nbgrader puts it after the cell
-before it, which may be gone too), the missing checkers go at the end.
-
-Against gaming (nbgrader scores a checker cell by the absence of an error, so a notebook that defeats the checks
-or hides their errors would score): `_install_guard` puts a first cell of the grader's before the student's,
-which imports the checks twice, a public copy (the one a student's `import` finds) and a private one held only in
-a closure (no sys.modules entry, no package attribute), and records what the checks rely on: the course's
-modules and their classes, torch's namespaces, builtins, IPython's exception handler, transformers and event
-callbacks. Each checker cell is rewritten to take its check functions from the private copy and to report before
-and after the check: a change to the public copy or to the notebook's check_* names is flagged; a change to what
-the private copy uses is flagged and fails the cell (CheckingMachineryModified). A checker cell without its
-closing report (its code was changed while it ran) gets an error; nbgrader's Execute already turns an error that
-a custom exception handler hid into an error output (the kernel's reply says error). Each student cell whose
-source names such machinery is flagged too, and so is a change to the course's files on disk. The grader's
-cell, the rewritten sources and its reports are removed before scoring. This raises the bar for code in the same
-process; it cannot stop deeper patching (torch's C functions, the kernel's messaging): grade untrusted
-submissions in a container.
-
-Feedback: `feedback_html` renders the graded notebook with nbgrader's `generate_feedback` template.
-
-Usage (grading.py runs `grade_notebook` in one worker process per notebook, each a process of its own: it
-kills its own child processes; by hand: `python -m fsdp_course.classroom.autograde JOB.json`): the job names the
-submission, its exercise, the gradebook file, the time limit and where to write the result (JSON).
-Everything that can go wrong is caught and reported in it: the notebook's problems as its status, the
-grader's own as status `grader-error`.
+Design notes: docs/CLASSROOM.md, "Grading a class", `autograde.py`.
 """
 
 from __future__ import annotations

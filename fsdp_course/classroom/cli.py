@@ -1,9 +1,6 @@
 """The `fsdp-course` command: `grade` a class's notebooks, regenerate or `check` the exercises.
 
-    fsdp-course grade SUBMISSIONS --out grades.csv [--timeout 180] [--jobs 2] [--feedback DIR]
-    fsdp-course exercises generate|check
-
-`grade` runs students' code: see grading.py (and the README) for what it isolates and what it does not.
+Design notes: docs/CLASSROOM.md, "The classroom", `cli.py`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """Generate the learners' exercise notebooks from the solution notebooks, the single source of each exercise.
 
-Every `solutions/NN_topic.ipynb` becomes `exercises/NN_topic.ipynb`:
-
-- nbgrader's own `ClearSolutions` preprocessor replaces each `### BEGIN SOLUTION` ... `### END SOLUTION`
-  region with `# YOUR CODE HERE` + `raise NotImplementedError()` (no home-made parser; run through
-  nbconvert's exporter API, no gradebook needed);
-- nbgrader's `ClearHiddenTests` removes each `### BEGIN HIDDEN TESTS` ... `### END HIDDEN TESTS` region
-  of a checker cell (the instructor's extra cases; `fsdp-course grade` puts them back, see grading.py);
-- nbgrader's `ClearOutput` drops every output and execution count;
-- execution timestamps in cell metadata are dropped, and the JSON is written the way nbformat writes
-  it (sorted keys, one-space indent) plus a final newline, so regenerating changes nothing.
-
-The nbgrader cell metadata (solution / grade / locked cells, points) is kept, so an instructor can
-grade the learners' copies with nbgrader. Usage, from the repository root:
-
-    python -m fsdp_course.classroom.exercises generate   # write exercises/ (what `make exercises` runs)
-    python -m fsdp_course.classroom.exercises check      # exit 1 if exercises/ is out of date
+Design notes: docs/CLASSROOM.md, "The authors' tools", `exercises.py`.
 """
 
 from __future__ import annotations

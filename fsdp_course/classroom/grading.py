@@ -1,53 +1,6 @@
 """`fsdp-course grade SUBMISSIONS --out grades.csv`: grade a class's exercise notebooks with nbgrader's machinery.
 
-For instructors who do not run an nbgrader course directory. The layout of SUBMISSIONS:
-
-    SUBMISSIONS/
-        alice/01_collectives.ipynb       one folder per student (the folder's name is the student's id),
-        alice/02_ddp.ipynb               holding notebooks named like the exercises in solutions/
-        bob/01_collectives.ipynb         (nbgrader's submitted/<student>/<assignment>/ works too: the
-        bob/extra/notes.ipynb            notebooks are searched in subfolders; other files are ignored)
-
-A notebook at the top of SUBMISSIONS, or no exercise notebook at all, is an error (exit status 2) before
-anything runs; so is an --out that names a folder or lies in a folder that does not exist.
-
-What happens (see autograde.py for each nbgrader preprocessor):
-1. one gradebook is built from solutions/ (nbgrader's SaveCells), holding every checker cell as the
-   instructor wrote it, hidden tests included; it is then kept as SQL text in memory, and its file removed;
-2. every submitted notebook is graded in its own worker process (`--jobs` at once), which loads the
-   gradebook into its own memory: nbgrader's sanitizing pass puts the instructor's checker cells back
-   (edited, emptied or deleted ones), then the notebook runs in a fresh kernel with one time limit for
-   all its cells (`--timeout`), and nbgrader's SaveAutoGrades scores it. The kernel's cwd and TMPDIR are in
-   a sandbox folder made for this notebook alone; the worker's result comes back through a pipe. When the
-   notebook ends, every process it started is killed (also those in a new session); past --timeout plus
-   a grace period, or on Ctrl-C / SIGTERM, the grader kills the worker and all below it;
-3. one CSV row per student (score per exercise, total, status) and two feedback files per student:
-   STUDENT.txt (what passed, what failed with the checker's report, what was restored or went wrong, what was
-   flagged) and STUDENT.html (the same summary, then each graded notebook as nbgrader's generate_feedback renders
-   it: its cells, outputs and the score of each checker cell).
-
-Gaming the checks (see autograde.py): the checker cells call the grader's own private copy of the checks, so
-rebinding `check_*` names, module attributes or sys.modules entries changes nothing; a checker cell that finds
-what the checks rely on modified (the course's modules, torch's namespaces, builtins, IPython's exception
-handling and input transformers) fails, and so does one that did not run to its end. Every such attempt, and
-each student cell whose source touches the checking machinery, is FLAGGED in the feedback and in the CSV's notes
-for the instructor; the flags do not change a score by themselves.
-
-Status of a notebook, and of a student (the worst of their notebooks): `ok` (it ran; checks may have
-failed), `error` (a cell outside the checks raised, or the kernel died), `timeout` (the time limit
-stopped it; the cells after were not run, and score 0), `invalid` (not a readable notebook, or not
-this exercise), `grader-error` (the grader itself failed on it: grade it again) and `partial` (not
-graded: Ctrl-C or SIGTERM stopped the run). A notebook not submitted scores 0 and is listed in the notes.
-
-Exit status of `run`: 0 every notebook was graded; 1 some were not (`grader-error` rows: the CSV is
-written); 2 bad input, nothing graded; 130 (Ctrl-C) or 143 (SIGTERM): stopped, the CSV holds the rows
-graded so far, the others marked `partial`.
-
-Grading runs the students' code with your permissions. The isolation is a separate process, a
-temporary directory, a time limit and no grader file that a notebook's paths or environment name,
-nothing more: a notebook can still search the whole file system, and patch torch or the kernel deeply enough
-that no check in the same process can see it. Grade untrusted submissions inside a container or a virtual
-machine.
+Design notes: docs/CLASSROOM.md, "Grading a class", `grading.py`.
 """
 
 from __future__ import annotations

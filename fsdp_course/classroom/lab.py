@@ -1,13 +1,6 @@
 """Start the course's JupyterLab: on lesson 00, with a token, no pop-ups, and the URL printed.
 
-`make lab` runs `python -m fsdp_course.classroom.lab`; `make lab-zh` (or `--lang zh`, or FSDP_COURSE_LANG=zh) opens
-the Chinese edition's lesson 00, `lessons/zh/00_welcome.ipynb`. The browser test (tests/test_browser.py) starts the
-same server through `lab_command`, so what it checks is what a student opens.
-
-No pop-ups: JupyterLab 4 asks on first start whether to fetch Jupyter news; the answer lives in the
-`@jupyterlab/apputils-extension:notification` settings, which an `overrides.json` in the
-environment's `share/jupyter/lab/settings/` sets for every user of this environment
-(https://jupyterlab.readthedocs.io/en/stable/user/directories.html#overrides-json).
+Design notes: docs/CLASSROOM.md, "The classroom", `lab.py`.
 """
 
 from __future__ import annotations

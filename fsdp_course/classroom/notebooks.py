@@ -1,21 +1,6 @@
 """Notebooks whose saved outputs are claims: `below` for lessons, and `run` to save a notebook (for authors).
 
-    from fsdp_course.classroom.notebooks import below
-    print(f"loss difference from one process: {below(diff)}")   # "< 1e-05" on every machine
-
-    python -m fsdp_course.classroom.notebooks run lessons/06_fsdp.ipynb solutions/06_fsdp.ipynb
-    make notebooks                      # every lesson and solution
-
-Each notebook runs in its own new kernel (the `python3` kernel of this environment, on Unix-domain
-sockets: `ports.kernel_transport`) with the notebook's folder as working directory, as nbval runs it;
-a cell that raises stops the run unless it is tagged `raises-exception`, and nothing is written then.
-Execution timestamps are dropped and the JSON is written the way nbformat writes it, so re-running an
-unchanged notebook changes only what its cells print.
-
-Saved outputs are claims that nbval re-checks on other machines (README, "Notebooks are claims"), so
-before saving, run the notebook under other numerics too, for example:
-
-    make test-portable    # tests/portable.py sets and checks the environment; make test-native: this CPU
+Design notes: docs/CLASSROOM.md, "The authors' tools", `notebooks.py`.
 """
 
 from __future__ import annotations

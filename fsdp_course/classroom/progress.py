@@ -16,12 +16,7 @@ from fsdp_course.i18n.messages import catalogue
 
 __all__ = ["demo_ready", "recording"]
 
-T = catalogue("progress", {
-    "not_yet": ("{check} has not passed with this {name} yet: run the checker's cell above until it passes (after "
-                "any change to {name}, run both cells again). This demo shows what a correct answer does, so it waits",
-                "{check} 还没有用这个 {name} 通过：先运行上面检查器所在的单元格，直到通过为止（每次修改 {name} 之后，"
-                "两个单元格都要重新运行）。这个演示展示的是正确答案的行为，所以要等检查通过后再运行"),
-})
+T = catalogue("progress")  # fsdp_course/i18n/catalogues/progress.yml
 
 _PASSED: dict[str, tuple[int, ...]] = {}  # checker name -> ids of the learner's callables it last passed with
 

@@ -1,12 +1,6 @@
 """Run a notebook the way `fsdp-course grade` does: nbgrader's Execute, with a time limit for the whole notebook.
 
-nbgrader's `Execute` preprocessor (nbclient underneath) limits each cell; a class's notebooks need one limit
-for all of a notebook's cells, a cap on what a cell may print (a flood would otherwise be kept in memory, all
-of it), and a record of which cells ran: a checker cell that never ran must not look like one that ran
-without an error. `TimedExecute` adds those three; `kernel_manager` runs kernels of this interpreter,
-whatever kernel the notebook's metadata names (nbgrader's OverwriteKernelspec resets the metadata only), on
-Unix sockets rather than TCP ports that a Gloo socket may take first (fsdp_course.runtime.ports). `kill_tree`
-ends a kernel with everything it started, also processes that left its session (start_new_session=True).
+Design notes: docs/CLASSROOM.md, "Grading a class", `timed_execute.py`.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """The Chinese edition: `lessons/zh/` and `exercises/zh/`, generated from the English notebooks and catalogs.
 
-    python -m fsdp_course.classroom.translations status      # what is missing, stale or out of date
-    python -m fsdp_course.classroom.translations template lessons/03_memory.ipynb   # start or extend a catalog
-    make translations                                         # build every Chinese notebook
-
-A catalog, `i18n/zh/lessons/03_memory.yml`, holds one entry per markdown cell of the English notebook, keyed
-by the cell's id: `sha`, the first 12 hex digits of the SHA-256 of the English source it translates, and `zh`,
-the Chinese markdown. Code cells are not translated: the Chinese notebook has the English notebook's code cells
-and outputs, byte for byte, except its figures, which are drawn again with Chinese labels (the kernel runs with
-`FSDP_COURSE_LANG=zh`; `fsdp_course.viz` writes a figure's text from its catalogues in the kernel's language), and
-the outputs of a cell tagged `localized` (what it prints speaks the reader's language, e.g. lesson 00's course
-map), taken whole from the same Chinese run. So a change to an English lesson flows like this: edit and re-run
-the English notebook as always; `status` names each markdown cell whose
-English changed since it was translated (its sha differs) and each new cell; update those entries (the new sha
-is printed); `make translations` writes the Chinese notebooks, re-drawing a figure only where its English figure
-changed (or the figure texts catalogued in `fsdp_course/viz/` did). `tests/test_translations.py` fails until all of
-this is done.
-
-An entry whose `zh` still equals the English source counts as untranslated; a cell that reads the same in both
-languages says so with `same: true`.
+Design notes: docs/CLASSROOM.md, "The authors' tools", `translations.py`.
 """
 
 from __future__ import annotations
@@ -49,10 +31,11 @@ LOCALIZED = "localized"  # the tag of a code cell whose outputs the Chinese run 
 
 @cache
 def figure_texts_sha() -> str:
-    """The sha of what writes the figures' text: the source of `fsdp_course/viz/` (its catalogues, and the code that
-    picks a message). A Chinese figure drawn with other sources is redrawn."""
-    viz = Path(__file__).resolve().parents[1] / "viz"
-    return sha("\n".join(p.read_text(encoding="utf-8") for p in sorted(viz.glob("*.py"))))
+    """The sha of what writes the figures' text: the source of `fsdp_course/viz/` (the code that picks a message) and
+    its catalogues (`fsdp_course/i18n/catalogues/viz*.yml`). A Chinese figure drawn with other sources is redrawn."""
+    package = Path(__file__).resolve().parents[1]
+    sources = sorted(package.glob("viz/*.py")) + sorted(package.glob("i18n/catalogues/viz*.yml"))
+    return sha("\n".join(p.read_text(encoding="utf-8") for p in sources))
 
 
 def _drawn(cell: Any, shas: list[str]) -> bool:

@@ -1,14 +1,6 @@
 """The language the course speaks (English or Chinese), and a CJK font for its figures.
 
-`language()` is "zh" when `FSDP_COURSE_LANG` says so (`zh`, `zh_CN`, ...), or, with the variable unset, when the
-kernel runs in a Chinese notebook's folder (`lessons/zh/`, `exercises/zh/`: Jupyter starts a notebook's kernel
-there); otherwise "en". `FSDP_COURSE_LANG=en` keeps everything English anywhere.
-
-Everything the course shows a learner is catalogued by id with its Chinese beside the English (`i18n/messages.py`):
-what checkers say, and what figures write (each `fsdp_course.viz` module builds its titles, labels and legends from
-its catalogue in the course's language). In Chinese, `import fsdp_course` gives matplotlib a CJK font found on the
-machine; without one, one warning says which package to install. Code is never translated: the Chinese notebooks
-run the English code cells unchanged, and the library speaks the language of the kernel.
+Design notes: docs/CLASSROOM.md, "Two languages", `__init__.py`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Messages a learner reads, by id, with their English and Chinese side by side in the module that shows them.
+"""Messages a learner reads, by id, with their English and Chinese side by side in one catalogue per module.
 
-`T = catalogue("hsdp", {"too_large": ("{n}x too large", "大了 {n} 倍")})` registers "hsdp.too_large" and returns
-`T`, which makes a `Message` from an id and its fields: `T("too_large", n=4)`. A Message renders in either language.
+`T = catalogue("hsdp")` registers `catalogues/hsdp.yml` (too_large: en "{n}x too large", zh "大了 {n} 倍") and
+returns `T`, which makes a `Message` from an id and its fields: `T("too_large", n=4)`, rendered in either language.
 """
 
 from __future__ import annotations
@@ -10,12 +10,16 @@ import re
 import string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 __all__ = ["CATALOGUE", "Message", "catalogue", "fields_of", "text"]
 
 CATALOGUE: dict[str, dict[str, str]] = {}  # "module.id" -> {"en": template, "zh": template}
 _CJK = re.compile(r"[\u3400-\u9fff]")
+CATALOGUES = Path(__file__).parent / "catalogues"  # <module>.yml: id -> {en: template, zh: template}
 
 
 @dataclass(frozen=True)
@@ -50,9 +54,12 @@ def fields_of(template: str) -> set[str]:
     return {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(template) if name}
 
 
-def catalogue(module: str, entries: Mapping[str, tuple[str, str]]) -> Callable[..., Message]:
-    """Register `entries` (id -> (English, Chinese)) under `module.` and return the function that makes their
-    Messages. Refuses (ValueError, at import) an entry without its Chinese, or whose two templates use other fields."""
+def catalogue(module: str, entries: Mapping[str, tuple[str, str]] | None = None) -> Callable[..., Message]:
+    """Register `module`'s messages (id -> (English, Chinese); by default read from `catalogues/<module>.yml`) under
+    `module.` and return the function that makes their Messages. Refuses (ValueError, at import) an entry without its
+    Chinese, or whose two templates use other fields."""
+    if entries is None:
+        entries = _read(CATALOGUES / f"{module}.yml")
     for key, pair in entries.items():
         name = f"{module}.{key}"
         if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(s, str) and s for s in pair)):
@@ -77,6 +84,22 @@ def catalogue(module: str, entries: Mapping[str, tuple[str, str]]) -> Callable[.
         return Message(name, dict(fields))
 
     return make
+
+
+def _read(path: Path) -> dict[str, tuple[str, str]]:
+    """A catalogue file's entries; a ValueError naming the file and entry for anything but `id: {en: .., zh: ..}`."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    data = yaml.load(path.read_text(encoding="utf-8"), Loader=loader)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: give one entry per message id, `id:` then `en:` and `zh:` lines; got {data!r}")
+    entries = {}
+    for key, value in data.items():
+        if not isinstance(key, str):  # YAML reads `no:` or `on:` as a boolean
+            raise ValueError(f"{path}: message id {key!r} is not read as text: put it in quotes")
+        if not (isinstance(value, dict) and set(value) == {"en", "zh"}):
+            raise ValueError(f"{path}: message {key} needs exactly an `en:` and a `zh:` template; got {value!r}")
+        entries[key] = (value["en"], value["zh"])
+    return entries
 
 
 def text(what: Message | str) -> str:

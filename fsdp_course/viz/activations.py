@@ -11,12 +11,7 @@ from fsdp_course.viz.style import CATEGORY_COLORS, new_figure, word
 
 __all__ = ["T", "plot_memory_by_batch"]
 
-T = catalogue("viz.activations", {
-    "batch": ("batch {b}", "批大小 {b}"),
-    # the title lesson 03 passes
-    "one_process": ("One process, small Transformer (Ψ = {psi}): memory by kind",
-                    "单进程、小型 Transformer（Ψ = {psi}）：各类内存"),
-})
+T = catalogue("viz.activations")  # fsdp_course/i18n/catalogues/viz.activations.yml
 
 
 

@@ -24,26 +24,8 @@ from fsdp_course.viz.style import new_figure
 
 __all__ = ["STAGE", "plot_alpha_beta", "plot_ring_cost", "print_fit", "print_growth", "show_ranks"]
 
-STAGE = catalogue("viz.collectives", {  # what show_ranks' panels and titles say; names from code stay as they are
-    "before": ("before", "之前"), "after": ("after", "之后"), "input": ("input", "输入"),
-    "padded_input": ("padded input", "填充后的输入"),
-    "before_shards": ("before: one shard each", "之前：每个 rank 一个分片"),
-    "before_grads": ("before: a full gradient each", "之前：每个 rank 一份完整梯度"),
-    "after_chunks": ("after: chunk r of the sum", "之后：和的第 r 块"),
-    "rs_then_ag": ("reduce_scatter, then all_gather", "先 reduce_scatter，再 all_gather"),
-    "rs_padded": ("reduce_scatter of a padded tensor", "对填充后的张量做 reduce_scatter"),
-})
-T = catalogue("viz.ring", {
-    "all_reduce": ("all_reduce: 2(N-1)/N", "all_reduce：发送 2(N-1)/N"),
-    "ag_rs": ("all_gather, reduce_scatter: (N-1)/N", "all_gather、reduce_scatter：发送 (N-1)/N"),
-    "world_size": ("world size N", "world size N（进程总数）"),
-    "per_payload": ("bytes sent per rank / payload", "每个 rank 发送的字节数 / 有效载荷"),
-    "ring_cost": ("ring cost per rank", "环形算法下每个 rank 的通信量"),
-    "sent_ring": ("bytes sent per rank (ring model)", "每个 rank 发送的字节数（环形模型）"),
-    "time_per_call": ("time per call (ms)", "每次调用耗时（ms）"),
-    "timed": ("collectives timed on this machine (points) and steps·α + bytes·β (lines)",
-              "本机实测的集合通信耗时（点）与 steps·α + bytes·β（线）"),
-})
+STAGE = catalogue("viz.collectives")  # fsdp_course/i18n/catalogues/viz.collectives.yml
+T = catalogue("viz.ring")  # fsdp_course/i18n/catalogues/viz.ring.yml
 
 Panel = tuple[str | Message, Sequence[Sequence[float]]]  # (label, one row of values per rank)
 

@@ -29,21 +29,7 @@ from fsdp_course.viz.style import OP_COLORS, new_figure, rank_color
 
 __all__ = ["PHASE_COLORS", "T", "plot_overlap"]
 
-T = catalogue("viz.overlap", {
-    "forward_compute": ("forward compute", "前向计算"), "backward_compute": ("backward compute", "反向计算"),
-    "phase_compute": ("{phase} compute", "{phase} 计算"),
-    "comm": ("comm", "通信"), "compute": ("compute", "计算"),
-    "gathers_run": ("rank {rank}: all-gathers run {busy:.1f} ms, {both:.1f} ms of it while a unit computes",
-                    "rank {rank}：全聚合共 {busy:.1f} ms，其中 {both:.1f} ms 与某个单元的计算重叠"),
-    "collectives_run": ("rank {rank}: collectives run {busy:.1f} ms, {both:.1f} ms of it while a unit computes",
-                        "rank {rank}：集合通信共 {busy:.1f} ms，其中 {both:.1f} ms 与某个单元的计算重叠"),
-    "x_axis": ("milliseconds after the step's start", "自本步开始起的毫秒数"),
-    "title": ("Compute and communication per rank over one step", "一步之内每个 rank 的计算与通信"),
-    # titles lessons and exercises pass
-    "fsdp_step": ("FSDP(..., prefetch={prefetch}), {n} ranks, step {step}",
-                  "FSDP(..., prefetch={prefetch})，{n} 个 rank，第 {step} 步"),
-    "forward_ranks": ("{function}, {n} ranks", "{function}，{n} 个 rank"),
-})
+T = catalogue("viz.overlap")  # fsdp_course/i18n/catalogues/viz.overlap.yml
 
 PHASE_COLORS = {"forward": "#64b5cd", "backward": "#8172b3"}  # compute bars; collectives take OP_COLORS
 _LANE = 0.8  # height of a lane, in y units (compute lane at y = 1, communication lane at y = 0)

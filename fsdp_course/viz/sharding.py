@@ -23,27 +23,7 @@ from fsdp_course.fsdp.per_param import DimZeroShard
 from fsdp_course.i18n.messages import Message, catalogue, text
 from fsdp_course.viz.style import format_bytes, new_figure, rank_color
 
-T = catalogue("viz.sharding", {
-    "padding": ("padding", "填充"), "owner_rank": ("owner rank", "所属 rank"), "parameters": ("parameters", "参数"),
-    "elements": ("element of the flat parameter: {numel} elements + {pad} padding = {n} shards x {shard} ({size} per "
-                 "rank)",
-                 "展平参数的元素：{numel} 个元素 + {pad} 个填充元素 = {n} 个分片 × {shard}（每个 rank {size}）"),
-    "flat_title": ("Flat parameter: {count} parameters{common}, {n} ranks",
-                   "展平参数：{count} 个参数{common}，{n} 个 rank"),
-    "unit_title": ("Flat parameter of unit '{unit}': {count} parameters{common}, {n} ranks",
-                   "单元 '{unit}' 的展平参数：{count} 个参数{common}，{n} 个 rank"),
-    "per_rank": ("{shape} per rank", "每个 rank {shape}"),
-    "per_rank_pad": ("{shape} per rank, pad {pad}", "每个 rank {shape}，填充 {pad}"),
-    "dim0": ("dim 0 of each parameter, padded to {n} x ceil(dim0 / {n}) rows: {numel} elements + {pad} padding = "
-             "{n} ranks x {per_rank} ({size} per rank)",
-             "每个参数的第 0 维，填充到 {n} × ceil(dim0 / {n}) 行：{numel} 个元素 + {pad} 个填充元素 = {n} 个 rank × "
-             "{per_rank}（每个 rank {size}）"),
-    "dim0_title": ("Per-parameter shards on dim 0 (FSDP2): {count} parameters{common}, {n} ranks",
-                   "按参数在第 0 维分片（FSDP2）：{count} 个参数{common}，{n} 个 rank"),
-    # titles lessons pass
-    "root_wrapped": ("the root unit when every encoder layer is wrapped, {n} ranks",
-                     "每个编码器层都被包装时的根单元，{n} 个 rank"),
-})
+T = catalogue("viz.sharding")  # fsdp_course/i18n/catalogues/viz.sharding.yml
 
 
 def _as_layout(flat: Any) -> Any:

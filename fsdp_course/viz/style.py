@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from fsdp_course.i18n import figure_language
-from fsdp_course.i18n.messages import catalogue, text
+from fsdp_course.i18n.messages import CATALOGUE, catalogue, text
 
 RANK_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
                "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")  # tab10: rank r -> RANK_COLORS[r % 10]
@@ -23,24 +23,14 @@ CATEGORY_COLORS = {"params": "#4c72b0", "sharded_params": "#64b5cd", "gathered_p
                    "buffers": "#937860", "gathered": "#8172b3", "other": "#b0b0b0", "total": "#8c8c8c"}
 CATEGORY_HATCHES = {"sharded_params": "///", "sharded_grads": "///"}  # a shard: its family's colour, hatched
 
-_WORDS = {  # names figures write as words (a memory category, a phase, an engine's event): name -> its Chinese
-    "params": "参数（params）", "sharded_params": "分片参数", "gathered_params": "聚合后的参数",
-    "grads": "梯度（grads）", "sharded_grads": "分片梯度", "optimizer": "优化器状态", "buffers": "缓冲区",
-    "gathered": "聚合后的参数",
-    "other": "其他", "total": "总计", "activations": "激活值", "measured": "实测", "forward": "前向传播",
-    "backward": "反向传播", "forward done": "前向传播结束", "backward done": "反向传播结束",
-    "optimizer step": "优化器更新", "step starts": "本步开始", "init": "初始化", "after step": "优化器更新之后",
-    "all_gather parameters": "all_gather 参数", "all_reduce gradients": "all_reduce 梯度",
-    "reduce_scatter gradients": "reduce_scatter 梯度",
-}
-T = catalogue("viz", {**{name: (name, zh) for name, zh in _WORDS.items()},  # the English of a word is its name
-                      "bytes_axis": ("bytes ({unit})", "字节（{unit}）"), "peak": ("peak {what}", "峰值 {what}")})
+T = catalogue("viz")  # fsdp_course/i18n/catalogues/viz.yml
+WORD = catalogue("viz.words")  # the names figures write as words; in English a word is its name
 
 
 def word(name: str) -> str:
     """A memory category's, a phase's or an engine event's name as a figure writes it (in Chinese: 分片参数 for
     sharded_params, 优化器更新 for optimizer step); any other name (a unit, "forward: unshard root") as it is."""
-    return text(T(name)) if name in _WORDS else name  # type: ignore[arg-type]
+    return text(WORD(name)) if f"viz.words.{name}" in CATALOGUE else name
 
 
 def category_style(category: str) -> dict[str, str]:

@@ -29,21 +29,7 @@ from fsdp_course.viz.style import T as STYLE
 
 Timeline = Sequence[tuple[str, Mapping[str, int]]]
 
-T = catalogue("viz.timeline", {
-    "ranks_equal": ("ranks {ranks} (equal)", "rank {ranks}（相同）"),
-    "peak_at": ("peak {bytes}: {event}", "峰值 {bytes}：{event}"),
-    "title": ("Memory per rank over one step, measured at each event", "一步之内每个 rank 的内存（在每个事件处测量）"),
-    "compare": ("Memory per rank over one step", "一步之内每个 rank 的内存"),
-    "compare_rank": ("Memory per rank over one step (rank {rank})", "一步之内每个 rank 的内存（rank {rank}）"),
-    # titles and panel names lessons pass
-    "fsdp_events": ("FSDP, {n} ranks: parameters + gradients + optimizer state at each event of step {step}",
-                    "FSDP，{n} 个 rank：第 {step} 步每个事件处的参数 + 梯度 + 优化器状态"),
-    "one_unit": ("one unit", "一个单元"), "per_layer": ("one unit per layer", "每层一个单元"),
-    "one_vs_layers": ("rank {rank} over step {step}, N = {n}: the whole model as one unit, and one unit per layer",
-                      "rank {rank} 在第 {step} 步（N = {n}）：整个模型作为一个单元，与每层一个单元"),
-    "rank_of": ("Rank {rank} of {n}, one step: one unit vs one unit per layer",
-                "rank {rank}（共 {n} 个），一步：一个单元 vs 每层一个单元"),
-})
+T = catalogue("viz.timeline")  # fsdp_course/i18n/catalogues/viz.timeline.yml
 
 
 def _is_timeline(x: Any) -> bool:

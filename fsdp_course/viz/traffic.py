@@ -20,15 +20,7 @@ from fsdp_course.i18n.messages import catalogue, text
 from fsdp_course.runtime.ledger import traffic_formula
 from fsdp_course.viz.style import OP_COLORS, byte_axis, format_bytes, new_figure
 
-T = catalogue("viz.traffic", {
-    "ddp": ("DDP: 2(N−1)/N × payload = {bytes}", "DDP：2(N−1)/N × 有效载荷 = {bytes}"),
-    "fsdp": ("FSDP: 3(N−1)/N × payload = {bytes}", "FSDP：3(N−1)/N × 有效载荷 = {bytes}"),
-    "x_axis": ("phase (Ledger.mark label)", "阶段（Ledger.mark 的标签）"),
-    "sent": ("Bytes sent by rank {rank} per phase (ring model, N = {n}, payload = {payload})",
-             "rank {rank} 在每个阶段发送的字节数（环形模型，N = {n}，有效载荷 = {payload}）"),
-    "received": ("Bytes received by rank {rank} per phase (ring model, N = {n}, payload = {payload})",
-                 "rank {rank} 在每个阶段接收的字节数（环形模型，N = {n}，有效载荷 = {payload}）"),
-})
+T = catalogue("viz.traffic")  # fsdp_course/i18n/catalogues/viz.traffic.yml
 
 __all__ = ["plot_traffic", "traffic_formula"]  # traffic_formula lives beside ring_bytes, in the ledger
 

@@ -14,23 +14,7 @@ from torch import nn
 from fsdp_course.i18n.messages import catalogue, text
 from fsdp_course.viz.style import CourseFigure
 
-T = catalogue("viz.training", {
-    "no_post": ("no positions, post-norm", "无位置嵌入，post-norm"),
-    "no_pre": ("no positions, pre-norm", "无位置嵌入，pre-norm"),
-    "pos_post": ("positions, post-norm", "有位置嵌入，post-norm"),
-    "pos_pre": ("positions, pre-norm", "有位置嵌入，pre-norm"),
-    "uniform": ("ln {classes}: a uniform guess", "ln {classes}：均匀随机猜测"), "step": ("step", "步"),
-    "training_loss": ("training loss", "训练损失"),
-    "loss_title": ("loss (one process, batch of 64)", "损失（单进程，批大小 64）"),
-    "bag": ("logistic regression on the bag", "像素袋上的逻辑回归"), "accuracy": ("held-out accuracy", "留出集准确率"),
-    "accuracy_title": ("held-out accuracy after each epoch", "每轮结束时的留出集准确率"),
-    "ablation": ("positions × pre-norm: the article's model (red), each fix alone, both (blue)",
-                 "位置嵌入 × pre-norm：文章的模型（红），各自单独修复，两者同时（蓝）"),
-    "test_digit": ("a test digit (label {label})", "一张测试数字图（标签 {label}）"),
-    "scrambled": ("the same pixels, scrambled", "同样的像素，打乱顺序"),
-    "guesses": ("{title}\nno positions: {without}   positions: {with_}",
-                "{title}\n无位置嵌入：{without}   有位置嵌入：{with_}"),
-})
+T = catalogue("viz.training")  # fsdp_course/i18n/catalogues/viz.training.yml
 
 __all__ = ["plot_positions_prenorm", "plot_scrambled_digit"]
 

@@ -18,15 +18,7 @@ from fsdp_course.i18n.messages import catalogue, text
 from fsdp_course.runtime.cost_model import CostFit
 from fsdp_course.viz.style import CourseFigure
 
-T = catalogue("viz.units", {
-    "collectives": ("collectives per step (α-β fit)", "每步的集合通信（α-β 拟合）"),
-    "one_layer": ("one layer of the article's model", "文章模型的一层"),
-    "per_unit": ("parameters per unit, U", "每个单元的参数量 U"), "seconds": ("seconds per step", "每步秒数"),
-    "peak": ("peak per rank, 16Ψ/N + 8U", "每个 rank 的峰值，16Ψ/N + 8U"),
-    "mb": ("MB per rank", "每个 rank 的内存（MB）"),
-    "title": ("the article's model cut into equal units, N = {n}: time on this machine's α, β, and memory",
-              "文章的模型切成大小相等的单元，N = {n}：按本机 α、β 估算的时间，以及内存"),
-})
+T = catalogue("viz.units")  # fsdp_course/i18n/catalogues/viz.units.yml
 
 __all__ = ["unit_tradeoff", "plot_unit_tradeoff"]
 

@@ -19,12 +19,7 @@ from fsdp_course.i18n.messages import Message, catalogue, text
 from fsdp_course.memory import stage_index, zero_formula
 from fsdp_course.viz.style import CATEGORY_COLORS, STAGES, byte_axis, format_bytes, new_figure, word
 
-T = catalogue("viz.zero_bars", {
-    "measured_bytes": ("{bytes}\nmeasured", "{bytes}\n实测"),
-    "title": ("Model state per rank: Ψ = {numel:,} parameters, N = {n}, {optimizer}, {size} bytes per value",
-              "每个 rank 的模型状态：Ψ = {numel:,} 个参数，N = {n}，{optimizer}，每个值 {size} 字节"),
-    "sgd_momentum": ("SGD with momentum", "带动量的 SGD"),
-})
+T = catalogue("viz.zero_bars")  # fsdp_course/i18n/catalogues/viz.zero_bars.yml
 
 _FORMULA_PARTS = ("params", "grads", "optimizer", "gathered")
 

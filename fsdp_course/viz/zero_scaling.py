@@ -14,15 +14,7 @@ from fsdp_course.i18n.messages import Message, catalogue, text
 from fsdp_course.memory import zero_formula
 from fsdp_course.viz.style import STAGES, new_figure
 
-T = catalogue("viz.zero_scaling", {
-    "formula": ("{name} formula", "{name} 公式"), "measured": ("{name} measured", "{name} 实测"),
-    "world_size": ("world size N", "world size N（进程总数）"),
-    "kib": ("model state per rank (KiB)", "每个 rank 的模型状态（KiB）"),
-    "title": ("Ψ = {psi}, AdamW, float32", "Ψ = {psi}，AdamW，float32（单精度）"),
-    # the title lesson 04 passes
-    "small_transformer": ("Small Transformer, Ψ = {psi}, AdamW, float32",
-                          "小型 Transformer，Ψ = {psi}，AdamW，float32（单精度）"),
-})
+T = catalogue("viz.zero_scaling")  # fsdp_course/i18n/catalogues/viz.zero_scaling.yml
 
 __all__ = ["T", "plot_zero_over_n"]
 

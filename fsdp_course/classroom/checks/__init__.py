@@ -1,29 +1,6 @@
 """Exercise checkers: run a learner's function on simulated ranks and compare it with a pure computation.
 
-One module per exercise (named after the lesson it follows), the shared machinery in `_common` and
-the equivalence harness (`fsdp_course.engines.equivalence`: seeded models and batches, each rank's
-slice, one process's steps): a checker either prints what passed (which world sizes, which cases)
-or prints exactly what failed (world size, rank, step, tensor, difference) with a hint, and raises
-`AssertionError` so that nbgrader scores the cell 0; a function still at its stub gives one `NotImplementedError`.
-
-    01 collectives   check_all_reduce, check_ring_all_reduce
-    02 ddp           check_broadcast_parameters, check_ddp
-    03 memory        check_zero_memory
-    04 zero          check_zero2_reduce (ZeRO-2's bucketed reduce-scatter)
-    05 flat_param    check_flat_param
-    06 fsdp          check_fsdp_unit
-    07 wrapping      check_unit_numels, check_predicted_peak (a wrap policy's units and its predicted peak)
-    08 transformer   check_sharded_checkpoint (sharded checkpoint, loaded back under torchrun)
-    09 model pitfalls         check_forward_logits, check_make_samples (ids into the embedding, logits per sample)
-    10 distributed pitfalls   check_clip_grad_norm, check_train_step
-    11 real fsdp     check_fully_shard_units (fully_shard on the course's units, under torchrun)
-    13 loss scaling           check_found_inf, check_update_scale (fp16 loss scaling over shards)
-    14 overlap                check_forward_prefetch (forward prefetching with async all-gathers)
-    16 hsdp                   check_hsdp_grad (HSDP's reduce-scatter in the row, all-reduce across the column)
-    17 finetune               check_lora_linear (a LoRA layer, then fine-tuned under FSDP), check_kept_bytes (what a
-                              rank keeps with a frozen base, against the bytes measured)
-    18 offload                check_device_peak, check_smallest_world_size, check_bytes_sent, check_comm_seconds
-    19 checkpoints            check_dim0_chunks (a unit's flat parameter cut into Shard(0) rows, DCP's layout)
+Design notes: docs/CLASSROOM.md, "Checkers", `__init__.py`.
 """
 
 from fsdp_course.classroom.checks._common import (

@@ -1,24 +1,6 @@
 """What every exercise checker shares: the failure report, running the learner's code, comparing tensors.
 
-A checker runs the learner's function (on simulated ranks with `run_checked`, or directly with
-`call_learner`), compares what it got with a pure computation, and either prints what passed or
-raises `CheckFailed` (an `AssertionError`, so that nbgrader scores the cell 0) carrying a
-`CheckFailure` report (where, what differs, details, a hint). A function that still raises the
-stub's `NotImplementedError` gets one short `NotImplementedError` saying so ("... is not implemented
-yet"), instead of a wall of rank tracebacks: an unsolved exercise fails in its checker cells only,
-and only that way.
-
-The report is shown once. In IPython (Jupyter, nbgrader's kernel) both exceptions render through
-IPython's `_render_traceback_` hook (`InteractiveShell.showtraceback` calls it instead of its own
-formatter): the learner's own frames (the cell that called the checker), then the report, without
-the checker's frames and without repeating the report in the exception's last line; the cell still
-gets an error output, which is what nbgrader's `determine_grade` scores 0. In plain Python the report
-is printed, and `str(exc)` is a one-line summary.
-
-While a checker's ranks run, what the learner's code prints is headed by the world size
-("--- world size 2 ---"), since the checker runs it once per world size.
-
-The style follows ARENA's checkers ("All tests in `test_mv` passed!").
+Design notes: docs/CLASSROOM.md, "Checkers", `_common.py`.
 """
 
 from __future__ import annotations
@@ -52,64 +34,7 @@ _NOT_LEARNER = tuple({LIBRARY_DIR, *(os.path.abspath(sysconfig.get_paths()[k]) +
                                      for k in ("stdlib", "purelib", "platlib"))})  # this library, torch, Python
 CHECK_TIMEOUT = 10.0  # seconds per run_ranks call: a correct solution needs well under one
 
-T = catalogue("common", {
-    "raised": ("rank {rank} raised {kind}: {text}", "rank {rank} 抛出了 {kind}：{text}"),
-    "learner_raised": ("{name} raised {kind}: {text}", "{name} 抛出了 {kind}：{text}"),
-    "stub": ("{name} is not implemented yet: replace `raise NotImplementedError()` in its cell with your code, run "
-             "that cell, then run this one again",
-             "{name} 还没有实现：把它所在单元格里的 `raise NotImplementedError()` 换成你的代码，运行那个单元格，"
-             "再运行这个单元格"),
-    "not_tensor": ("rank {rank} returned {kind}, not a tensor", "rank {rank} 返回了 {kind}，不是张量"),
-    "return_result": ("return the result tensor at the end of your function", "在函数末尾返回结果张量"),
-    "shape_differs": ("rank {rank}: shape differs: got {got}, expected {expected}",
-                      "rank {rank}：形状不对：得到 {got}，应为 {expected}"),
-    "padding_left": ("shape differs: did you remove the padding? keep only the first tensor.numel() (here {numel}) "
-                     "elements of the gathered tensor, then reshape to tensor.shape",
-                     "形状不对：去掉填充了吗？只保留全聚合结果的前 tensor.numel()（这里是 {numel}）个元素，"
-                     "再 reshape 成 tensor.shape"),
-    "one_chunk": ("that is one chunk: all_gather the reduced chunks so every rank holds all of them",
-                  "这只是一个分块：对归约后的分块做 all_gather，让每个 rank 都拿到全部分块"),
-    "reshape": ("same number of elements, different shape: reshape to the input's shape (tensor.shape)",
-                "元素个数相同，形状不同：reshape 成输入的形状（tensor.shape）"),
-    "pad_and_cut": ("shape differs: pad the flattened input, and cut the padding off the result",
-                    "形状不对：先填充展平后的输入，再从结果上去掉填充"),
-    "dtype_differs": ("rank {rank}: dtype differs: got {got}, expected {expected}",
-                      "rank {rank}：dtype 不对：得到 {got}，应为 {expected}"),
-    "keep_dtype": ("keep the input's dtype: pad with tensor.new_zeros(...) rather than torch.zeros(...)",
-                   "保持输入的 dtype：用 tensor.new_zeros(...) 而不是 torch.zeros(...) 来填充"),
-    "values_differ": ("rank {rank}: values differ", "rank {rank}：数值不对"),
-    "first_difference": ("look at the first element that differs, and at which chunk (index // chunk size) it falls "
-                         "in", "看第一个不同的元素，以及它落在哪个分块里（index // 分块大小）"),
-    "too_small": ("rank {rank}'s result is {n}x too small: did you average (op='mean' or divide by the world size) "
-                  "instead of summing?",
-                  "rank {rank} 的结果只有应得值的 1/{n}：是不是求了平均（op='mean' 或除以 world size），而不是求和？"),
-    "too_large": ("rank {rank}'s result is {n}x too large: did you sum twice (e.g. an all_reduce on top of the "
-                  "reduce_scatter)?",
-                  "rank {rank} 的结果是应得值的 {n} 倍：是不是求和了两次（例如在 reduce_scatter 之后又做了一次 "
-                  "all_reduce）？"),
-    "divisible": ("reduce_scatter needs a length that divides by ctx.world_size: flatten the tensor and pad it with "
-                  "zeros to a multiple of the world size first",
-                  "reduce_scatter 要求长度能被 ctx.world_size 整除：先展平张量，再用零填充到 world size 的整数倍"),
-    "mismatch": ("the ranks made different calls (or used different shapes): every rank must call the same "
-                 "collectives, with the same shapes, in the same order",
-                 "各 rank 的调用不一致（或形状不同）：每个 rank 都必须以相同的顺序、相同的形状调用相同的集合通信"),
-    "skipped": ("some rank skipped a collective that the others called: every rank must make every call",
-                "有的 rank 跳过了其他 rank 调用的集合通信：每个 rank 都必须执行每一次调用"),
-    "gathered_padding": ("the gathered tensor still has the padding: keep only the first tensor.numel() elements, "
-                         "then reshape to tensor.shape",
-                         "全聚合得到的张量还带着填充：只保留前 tensor.numel() 个元素，再 reshape 成 tensor.shape"),
-    "hook_returns": ("a post-accumulate-grad hook must return None: average p.grad in place (ctx.all_reduce(p.grad, "
-                     "op='mean') works in place) inside a def that returns nothing, not a lambda that returns it",
-                     "post-accumulate-grad 钩子必须返回 None：在一个什么都不返回的 def 里原地平均 p.grad"
-                     "（ctx.all_reduce(p.grad, op='mean') 是原地操作），不要用会返回结果的 lambda"),
-    "flatten": ("flatten the tensor with tensor.reshape(-1) before the collectives",
-                "在集合通信之前用 tensor.reshape(-1) 展平张量"),
-    "read_traceback": ("read the end of the traceback above: the last line of your code in it is where it went wrong",
-                       "看上面 traceback 的末尾：其中属于你代码的最后一行，就是出错的地方"),
-    # what passed (`say`): the first line of every checker's success, then its own lines
-    "passed": ("All tests in {check} passed ({what})", "{check} 的全部测试都通过了（{what}）"),
-    "world_sizes": ("world sizes {sizes}", "world size 为 {sizes}"),
-})
+T = catalogue("common")  # fsdp_course/i18n/catalogues/common.yml
 
 
 @dataclass

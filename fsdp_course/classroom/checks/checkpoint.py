@@ -1,17 +1,6 @@
 """Checker of exercise 08: a sharded checkpoint, saved per rank, loaded back exactly by other processes.
 
-A SHARDED checkpoint (PyTorch FSDP's `StateDictType.SHARDED_STATE_DICT`, arXiv:2304.11277) has
-every rank write only what it holds: its flat-parameter shards and its shard of the optimizer
-state, plus metadata (the world size) to refuse a mismatched load. No rank ever holds the full model.
-
-The state saved here is real: the course's FSDP engine wraps a tiny Transformer classifier (one
-unit per encoder layer) and trains two AdamW steps on simulated ranks; `rank_state` turns one
-rank's shards and Adam state into a flat dict of tensors. The learner's `save(ctx, state, dir)`
-runs on the simulated ranks (threads); their `load(ctx, dir)` then runs in *other processes*:
-`torchrun --nproc-per-node 2` starts two fresh Python processes that join a real Gloo group with
-`RankContext.from_env()`, each loads its rank's state and compares it bit for bit with what the
-threads saved. The load function travels by its source code (`inspect.getsource`), so it may use
-only its arguments and `os`, `json`, `pathlib.Path`, `torch`.
+Design notes: docs/CLASSROOM.md, "Checkers", `checkpoint.py`.
 """
 
 from __future__ import annotations
@@ -54,69 +43,7 @@ WORLD_SIZES = (1, 2, 3)
 TORCHRUN_WORLD_SIZE = 2
 TORCHRUN_TIMEOUT = 120.0  # seconds: three fresh Python processes importing torch on a busy laptop
 
-T = catalogue("checkpoint", {
-    "load_not_dict": ("load returned {kind}, not a dict of tensors", "load 返回了 {kind}，而不是由张量组成的 dict"),
-    "keys_differ": ("keys differ: missing {missing}, unexpected {extra}", "键不一致：缺少 {missing}，多出 {extra}"),
-    "not_tensor": ("{name}: {kind}, not a tensor", "{name}：是 {kind}，不是张量"),
-    "dtype_shape": ("{name}: {got}, saved {saved}", "{name}：得到 {got}，保存的是 {saved}"),
-    "values_differ": ("{name}: values differ (max difference {diff:g})", "{name}：数值不同（最大差值 {diff:g}）"),
-    "same_names": ("load reads the files save wrote: use the same names (one per rank, plus the metadata)",
-                   "load 读取的是 save 写下的文件：使用相同的文件名（每个 rank 一个，外加元数据）"),
-    "plain_tensors": ("save plain tensors (a dict of tensors) so that torch.load(..., weights_only=True) can read them",
-                      "保存普通张量（由张量组成的 dict），这样 torch.load(..., weights_only=True) 才能读取它们"),
-    "state_differs": ("the state loaded back differs from the one saved: {problem}",
-                      "读回的状态与保存的不同：{problem}"),
-    "save_as_is": ("save every tensor of the dict as it is (torch.save(state, path)) and load the same file back on "
-                   "the same rank", "按原样保存 dict 里的每个张量（torch.save(state, path)），并在同一个 rank 上读回"
-                   "同一个文件"),
-    "no_collective": ("rank {rank} returned from save without any collective",
-                      "rank {rank} 从 save 返回时没有做任何集合通信"),
-    "end_with_barrier": ("nothing tells a rank that the others have finished writing: end save with ctx.barrier(), so "
-                         "that the checkpoint is complete when any rank returns",
-                         "没有任何机制让一个 rank 知道其他 rank 已经写完：在 save 末尾调用 ctx.barrier()，"
-                         "这样任何一个 rank 返回时，检查点都已完整"),
-    "too_few_files": ("the checkpoint directory holds {files} file(s) for {n} ranks",
-                      "{n} 个 rank 的检查点目录里只有 {files} 个文件"),
-    "own_file": ("each rank writes its own file (e.g. rank{{ctx.rank}}.pt): a sharded checkpoint never gathers the "
-                 "state on one rank", "每个 rank 写自己的文件（例如 rank{{ctx.rank}}.pt）：分片检查点从不把状态汇集到"
-                 "一个 rank 上"),
-    "every_rank_loaded": ("every rank loaded it without an error", "每个 rank 都加载了它，没有报错"),
-    "rank_loaded": ("rank {ranks} loaded it without an error", "rank {ranks} 加载了它，没有报错"),
-    "ranks_loaded": ("ranks {ranks} loaded it without an error", "rank {ranks} 都加载了它，没有报错"),
-    "refuse_world_size": ("save the world size in the metadata; in load, raise (e.g. ValueError) on every rank when it "
-                          "differs from ctx.world_size: a sharded checkpoint is cut per world size",
-                          "把 world size 存进元数据；load 时若它与 ctx.world_size 不同，就在每个 rank 上抛出异常"
-                          "（例如 ValueError）：分片检查点是按 world size 切分的"),
-    "no_source": ("the source of {name} cannot be found", "找不到 {name} 的源代码"),
-    "define_load": ("define load in a notebook cell or a .py file: torchrun's processes run its source",
-                    "在 notebook 的单元格或 .py 文件里定义 load：torchrun 的进程运行的是它的源代码"),
-    "timeout": ("torchrun did not finish within {timeout:g} s", "torchrun 没有在 {timeout:g} 秒内结束"),
-    "only_files": ("{name} must not wait for anything but the files", "{name} 除了这些文件，不能等待任何别的东西"),
-    "reported_nothing": ("rank {rank}'s process reported nothing (torchrun exit code {code})",
-                         "rank {rank} 的进程什么也没有报告（torchrun 退出码 {code}）"),
-    "fresh_process": ("{name} runs in a fresh process: it may use only its arguments and os, json, Path, torch",
-                      "{name} 在一个全新的进程里运行：只能使用它的参数以及 os、json、Path、torch"),
-    "fresh_process_helper": ("{name} runs in a fresh process: it may use only its arguments and os, json, Path, torch "
-                             "(define any helper inside it)",
-                             "{name} 在一个全新的进程里运行：只能使用它的参数以及 os、json、Path、torch"
-                             "（要用的辅助函数都定义在它内部）"),
-    "process_raised": ("rank {rank}'s process raised {error}", "rank {rank} 的进程抛出了 {error}"),
-    "process_differs": ("rank {rank}'s process loaded a different state: {problem}",
-                        "rank {rank} 的进程加载的状态与保存的不同：{problem}"),
-    "read_back_exactly": ("load must read back exactly what save wrote, in any process",
-                          "在任何进程里，load 都必须原样读回 save 写下的内容"),
-    # what passed
-    "passed_saved": ("  a tiny Transformer under FSDP (one unit per encoder layer), after 2 AdamW steps: every rank's "
-                     "shards and Adam state saved and loaded back bit for bit, one file per rank",
-                     "  FSDP 下的一个小 Transformer（每个编码器层一个单元），训练 2 步 AdamW 之后：每个 rank 的分片和 "
-                     "Adam 状态都保存下来，又逐位不差地加载回来，每个 rank 一个文件"),
-    "passed_wrong_size": ("  loading the {n}-rank checkpoint on {m} ranks raised on every rank",
-                          "  在 {m} 个 rank 上加载 {n} 个 rank 保存的检查点时，每个 rank 都抛出了异常"),
-    "passed_torchrun": ("  {n} processes started by torchrun (RankContext.from_env, a real Gloo group) loaded what the "
-                        "threads saved, bit for bit",
-                        "  由 torchrun 启动的 {n} 个进程（RankContext.from_env，一个真实的 Gloo 进程组）"
-                        "逐位不差地加载了各线程保存的内容"),
-})
+T = catalogue("checkpoint")  # fsdp_course/i18n/catalogues/checkpoint.yml
 
 
 def rank_state(fsdp: Any, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

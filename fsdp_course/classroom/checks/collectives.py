@@ -1,19 +1,6 @@
 """Checkers of exercise 01: all-reduce built from reduce-scatter + all-gather, and a ring all-reduce.
 
-The first builds all-reduce from reduce-scatter + all-gather, the decomposition behind ZeRO's
-communication analysis (arXiv:1910.02054, section 7) and behind FSDP's split of one all-reduce into
-a reduce-scatter of gradients and an all-gather of parameters (arXiv:2304.11277). The second builds
-the same all-reduce from point-to-point messages around a ring (the "ring all-reduce" of Baidu's
-allreduce and of NCCL/Gloo): N - 1 steps that reduce-scatter, N - 1 steps that all-gather, each
-rank sending one chunk to its right neighbour per step. The checker watches every send and recv
-(a recording wrapper around `ctx.group`), so it can tell a ring from, say, everyone sending
-everything to rank 0; their waits go through the referee, so a ring where every rank waits on its
-send before receiving is named as a deadlock, with the step ("reduce-scatter step 1 of 2").
-
-Both checkers explain wrong values chunk by chunk (`chunk_diagnosis`: the inputs are small integers,
-so each wrong chunk is solved for as a combination of the ranks' inputs: which rank's contribution
-a chunk lacks or has twice, or which other chunk's values it holds), and fail a function that
-changes the tensor it was given.
+Design notes: docs/CLASSROOM.md, "Checkers", `collectives.py`.
 """
 
 from __future__ import annotations
@@ -47,121 +34,7 @@ from fsdp_course.runtime.monitor import CollectiveMismatch
 
 __all__ = ["check_all_reduce", "check_ring_all_reduce"]
 
-T = catalogue("collectives", {
-    # all-reduce from reduce-scatter + all-gather
-    "mismatch": ("the ranks made different calls (or used different shapes): every rank must pad to the same length "
-                 "and call the same collectives in the same order",
-                 "各 rank 的调用不一致（或形状不同）：每个 rank 都必须填充到相同长度，并以相同顺序调用相同的集合通信"),
-    "called_all_reduce": ("rank {rank} called ctx.all_reduce (calls: {ops})",
-                          "rank {rank} 调用了 ctx.all_reduce（调用：{ops}）"),
-    "only_rs_ag": ("build it from ctx.reduce_scatter and ctx.all_gather only",
-                   "只用 ctx.reduce_scatter 和 ctx.all_gather 来实现"),
-    "made_calls": ("rank {rank} made the calls [{ops}]", "rank {rank} 的调用是 [{ops}]"),
-    "rs_then_ag": ("use ctx.reduce_scatter (sum the chunks), then ctx.all_gather (share them)",
-                   "先用 ctx.reduce_scatter（对各分块求和），再用 ctx.all_gather（把分块分享给所有 rank）"),
-    # the ring: exceptions
-    "deadlock": ("every rank waited for its send to finish before posting its recv, so no send could finish: per "
-                 "step, start the send without waiting (work = ctx.group.send([chunk], right, tag)), then "
-                 "ctx.group.recv([incoming], left, tag).wait(), then work.wait()",
-                 "每个 rank 都在发出 recv 之前等待自己的 send 完成，所以没有 send 能完成：每一步先启动 send 而不等待"
-                 "（work = ctx.group.send([chunk], right, tag)），再 ctx.group.recv([incoming], left, tag).wait()，"
-                 "最后 work.wait()"),
-    "unmatched": ("a rank finished while another still waited in a send or recv with it: every send needs the "
-                  "matching recv on its peer (same tag, same number of elements), and every recv its send",
-                  "一个 rank 已经结束，而另一个 rank 还在等待与它配对的 send 或 recv：每个 send 都需要对等方上有匹配的 "
-                  "recv（相同 tag、相同元素个数），每个 recv 也都需要对应的 send"),
-    "timed_out": ("a send or recv waited for a partner that never came: per step, every rank starts its send "
-                  "(work = ctx.group.send([chunk], right, tag)), waits for its recv from the left, then waits for "
-                  "the send; rank r sends to (r + 1) % N and receives from (r - 1) % N, with matching tags",
-                  "一个 send 或 recv 在等待一个永远不会出现的对等方：每一步，每个 rank 先启动 send（work = "
-                  "ctx.group.send([chunk], right, tag)），再等待从左邻居接收的 recv 完成，然后等待 send 完成；"
-                  "rank r 发给 (r + 1) % N，从 (r - 1) % N 接收，tag 要匹配"),
-    "contiguous": ("send and recv need contiguous tensors: use the chunks of a 1-D buffer (flat.chunk(n))",
-                   "send 和 recv 需要连续的张量：使用一维缓冲区的分块（flat.chunk(n)）"),
-    "cut_short": ("the result is reshaped from {got} elements to a shape of {need}: elements were cut off, not "
-                  "padded. Round the length up to a multiple of the world size with zeros (which change no sum), "
-                  "never down: every element of the input must reach the collectives",
-                  "结果要从 {got} 个元素 reshape 成 {need} 个元素的形状：元素被截掉了，而不是被填充。"
-                  "用零把长度向上补到 world size 的整数倍（零不改变任何和），决不要向下截断："
-                  "输入的每个元素都必须进入集合通信"),
-    # the ring: its messages
-    "called_collectives": ("rank {rank} called the collective(s) {ops}", "rank {rank} 调用了集合通信 {ops}"),
-    "only_send_recv": ("build it from ctx.group.send and ctx.group.recv only: no ctx.all_reduce, "
-                       "ctx.reduce_scatter, ctx.all_gather or ctx.broadcast",
-                       "只用 ctx.group.send 和 ctx.group.recv 来实现：不用 ctx.all_reduce、ctx.reduce_scatter、"
-                       "ctx.all_gather 或 ctx.broadcast"),
-    "send_to": ("send to rank {peer}", "向 rank {peer} 的 send"),
-    "recv_from": ("recv from rank {peer}", "来自 rank {peer} 的 recv"),
-    "made_p2p": ("rank {rank} made {what}", "rank {rank} 发起了一次{what}"),
-    "neighbours": ("in a ring, rank r sends only to its right neighbour (r + 1) % N (here {right}) and "
-                   "receives only from its left neighbour (r - 1) % N (here {left})",
-                   "在环中，rank r 只发给右邻居 (r + 1) % N（这里是 {right}），只从左邻居 (r - 1) % N"
-                   "（这里是 {left}）接收"),
-    "ring_steps": ("a ring all-reduce is N - 1 steps of reduce-scatter, then N - 1 steps of all-gather, one chunk "
-                   "each", "环形全归约是 N - 1 步归约分散，再 N - 1 步全聚合，每步一个分块"),
-    "one_chunk_per_step": ("each step sends one chunk (padded numel / N elements), not the whole tensor: N - 1 "
-                           "steps to reduce-scatter, then N - 1 steps to all-gather",
-                           "每一步只发送一个分块（填充后的 numel / N 个元素），而不是整个张量：N - 1 步归约分散，"
-                           "再 N - 1 步全聚合"),
-    "too_few": ("too few messages: after the N - 1 reduce-scatter steps each rank holds one finished chunk; N - 1 "
-                "more steps pass the finished chunks round the ring (the all-gather half)",
-                "消息太少：N - 1 步归约分散之后，每个 rank 持有一个已完成的分块；还要再走 N - 1 步，"
-                "把这些已完成的分块沿环传递（全聚合那一半）"),
-    "send_count": ("rank {rank} made {sends} sends of {sent} elements in all, {recvs} recvs",
-                   "rank {rank} 发起了 {sends} 次 send，共 {sent} 个元素，以及 {recvs} 次 recv"),
-    # both: the caller's input, the values chunk by chunk
-    "input_modified": ("rank {rank}'s result is right, but your function changed the tensor it was given",
-                       "rank {rank} 的结果正确，但你的函数修改了传给它的张量"),
-    "work_on_copy": ("an all-reduce returns the sum and leaves the caller's tensor as it was (the caller may still "
-                     "need it): work on a copy, e.g. torch.cat of the flattened input and its padding, which is a new "
-                     "tensor even when the padding is empty (reshape(-1) and chunk() are views of the input)",
-                     "全归约返回总和，并保持调用者的张量不变（调用者可能还要用它）：在副本上计算，例如用 torch.cat "
-                     "拼接展平的输入和它的填充，即使填充为空，结果也是新张量（reshape(-1) 和 chunk() 都是输入的视图）"),
-    "chunk_moved": ("chunk {k} holds chunk {m}'s values: an index is off, most likely in the all-gather half; the "
-                    "chunk a rank receives from its left neighbour belongs at the index the neighbour sent it from",
-                    "分块 {k} 里是分块 {m} 的值：某个下标错了，最可能错在全聚合那一半；从左邻居收到的分块，"
-                    "应放到邻居发送它时所用的那个下标上"),
-    "added_twice": ("a contribution was added twice: in the all-gather half the finished chunks are received into "
-                    "place (overwriting), not added; and each rank's own chunk is added once",
-                    "有一份贡献被加了两次：在全聚合那一半，已完成的分块应直接接收到原位（覆盖原值），而不是相加；"
-                    "并且每个 rank 自己的分块只加一次"),
-    "missing": ("contributions are missing from a chunk: a recv overwrites its tensor, so in the reduce-scatter half "
-                "receive into a separate buffer and add it (chunk.add_(incoming)); each chunk must travel N - 1 steps "
-                "round the ring, collecting one contribution per step",
-                "某个分块缺少一些 rank 的贡献：recv 会覆盖接收它的那个张量，所以在归约分散那一半要接收到单独的缓冲区"
-                "再相加（chunk.add_(incoming)）；每个分块都要沿环走 N - 1 步，每步收集一份贡献"),
-    "or_unfinished": ("{missing}; or the all-gather half sent chunks that were not finished: after the "
-                      "reduce-scatter half, rank r holds the whole sum of chunk (r + 1) % N, the chunk it sends first",
-                      "{missing}；也可能是全聚合那一半发出了尚未完成的分块：归约分散那一半结束后，"
-                      "rank r 持有分块 (r + 1) % N 的完整总和，也就是它最先发送的那一块"),
-    "ring_added_into_sent": ("in the reduce-scatter half, the chunk received at step s is added into the chunk "
-                             "this rank has just sent, (r - s) % N; it is the left neighbour's chunk "
-                             "(r - s - 1) % N, and that is where it belongs",
-                             "在归约分散那一半，第 s 步收到的分块被加到了本 rank 刚刚发出的分块 (r - s) % N 上；"
-                             "它是左邻居的分块 (r - s - 1) % N，应当加到那里"),
-    # what passed
-    "exact_sum": ("  input shapes {shapes}: every rank holds the exact sum",
-                  "  输入形状 {shapes}：每个 rank 都得到了精确的和"),
-    "rs_ag_calls": ("  calls per rank: reduce_scatter and all_gather, no all_reduce",
-                    "  每个 rank 的调用：reduce_scatter 和 all_gather，没有 all_reduce"),
-    "rs_ag_traffic": ("  traffic of rank 0 at world size {n} for a {shape} float32 tensor, padded to {payload} B "
-                      "(ring model):",
-                      "  world size 为 {n} 时，rank 0 处理一个形状为 {shape}、填充到 {payload} B 的 float32 张量的"
-                      "通信量（环形模型）："),
-    "rs_ag_sent": ("    reduce_scatter {scatter:g} B + all_gather {gather:g} B = {both:g} B sent = 2(N-1)/N x "
-                   "{payload} B, what one all_reduce sends",
-                   "    reduce_scatter {scatter:g} B + all_gather {gather:g} B = 发送 {both:g} B = 2(N-1)/N x "
-                   "{payload} B，正是一次 all_reduce 发送的量"),
-    "ring_only": ("  rank r sends only to (r + 1) % N and receives only from (r - 1) % N; no collectives",
-                  "  rank r 只向 (r + 1) % N 发送，只从 (r - 1) % N 接收；没有集合通信"),
-    "ring_traffic": ("  traffic of rank 0 at world size {n} for a {shape} float32 tensor, padded to {padded} B:",
-                     "  world size 为 {n} 时，rank 0 处理一个形状为 {shape}、填充到 {padded} B 的 float32 张量的"
-                     "通信量："),
-    "ring_sent": ("    2(N-1) = {count} messages of one {chunk} B chunk = {sent} B sent = 2(N-1)/N x {padded} B, the "
-                  "ring model's all_reduce",
-                  "    2(N-1) = {count} 条消息，每条是一个 {chunk} B 的分块 = 发送 {sent} B = 2(N-1)/N x {padded} B，"
-                  "即环形模型中一次 all_reduce 的量"),
-})
+T = catalogue("collectives")  # fsdp_course/i18n/catalogues/collectives.yml
 
 
 # -- exercise 01: all-reduce from reduce-scatter + all-gather --------------------------------------

@@ -1,16 +1,6 @@
 """Checker of exercise 19: one unit's gathered flat parameter, cut into each parameter's `Shard(0)` rows for rank r.
 
-The learner writes `dim0_chunks(layout, flat, rank, world_size)`: `flat` is a unit's gathered flat parameter
-`(padded_numel,)` (lesson 05's layout: the parameters end to end, then zeros), and the result is, for every parameter
-in `layout.infos` order, the rows rank `rank` holds when the parameter is sharded as `fully_shard` shards it (a
-DTensor with placement `Shard(0)`): torch.chunk's `rank`-th chunk on dim 0, rows [r * c, min((r + 1) * c, d0)) with
-c = ceil(d0 / N), and an empty `(0, *shape[1:])` tensor for a rank torch.chunk has no chunk for. This is the step
-`fsdp_course.fsdp.dcp.save` takes for every unit before torch.distributed.checkpoint writes the chunks.
-
-A pure function: no ranks are started. Checked for every rank at world sizes 1 to 5 on units whose first dimensions
-divide by none of them (and one shorter than the world size): the shape of each chunk, its values (torch.chunk of the
-parameter, the reference), and that it is a copy, not a view of `flat` (a view would keep the whole gathered unit
-alive after the gather is freed, which is what cutting one unit at a time avoids).
+Design notes: docs/CLASSROOM.md, "Checkers", `dcp.py`.
 """
 
 from __future__ import annotations
@@ -40,68 +30,7 @@ UNITS: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     "an MLP layer": [("linear.weight", (7, 5)), ("linear.bias", (7,)), ("norm.weight", (5,)), ("gate", (2, 3))],
 }
 
-T = catalogue("dcp", {
-    "fewer_chunks": ("torch.chunk(p, N, dim=0) returns fewer than N chunks when the first dimension is short: '{name}' "
-                     "has d0 = {d0} rows; over {n} ranks c = ceil({d0} / {n}) = {c} rows each, so torch.chunk gives "
-                     "{chunks} and rank {rank} none: give such a rank an empty (0, *shape[1:]) tensor, e.g. p[:0], or "
-                     "compute the row range yourself",
-                     "第一维较短时 torch.chunk(p, N, dim=0) 返回的分块少于 N 个：'{name}' 有 d0 = {d0} 行；"
-                     "分给 {n} 个 rank 时每个 rank 得到 c = ceil({d0} / {n}) = {c} 行，"
-                     "所以 torch.chunk 只给出 {chunks}，rank {rank} 一个也没有：给这样的 rank 一个空的 (0, *shape[1:]) "
-                     "张量，例如 p[:0]，或者自己计算行范围"),
-    "chunk": ("{k} chunk", "{k} 个分块"),
-    "chunks": ("{k} chunks", "{k} 个分块"),
-    "unflatten": ("cut each parameter out of flat with layout.unflatten(flat), then take this rank's rows of it",
-                  "用 layout.unflatten(flat) 从 flat 中切出每个参数，再取其中这个 rank 的那几行"),
-    "ignored_offset": ("these are flat elements {first}-{last}: you ignored info.offset: '{name}' starts at flat "
-                       "element {offset}, and this rank's rows of it are flat elements {start}-{end} "
-                       "(layout.unflatten(flat) cuts each parameter at its offset).{flat_shard}",
-                       "这些是展平元素 {first}-{last}：你忽略了 info.offset：'{name}' 从展平元素 {offset} 开始，"
-                       "这个 rank 的那几行是展平元素 {start}-{end}（layout.unflatten(flat) 会在每个参数的偏移处把它"
-                       "切出来）。{flat_shard}"),
-    "flat_shard": (" If you cut flat into N equal pieces first and read from this rank's piece: that is FSDP's flat "
-                   "shard (lesson 05), and Shard(0) cuts each parameter on its own rows instead.",
-                   "如果你先把 flat 切成 N 等份、再从本 rank 的那一份里读取：那是 FSDP 的展平分片（第 05 课），"
-                   "而 Shard(0) 是把每个参数按它自己的行来切。"),
-    "other_run": ("these are flat elements {first}-{last}, this rank's rows of '{name}' are flat elements "
-                  "{start}-{end}",
-                  "这些是展平元素 {first}-{last}，而这个 rank 的 '{name}' 的行是展平元素 {start}-{end}"),
-    "not_list": ("returned {kind}, not a list of tensors", "返回了 {kind}，不是张量的列表"),
-    "return_list": ("return a list with one tensor per parameter, in layout.infos order",
-                    "返回一个列表，每个参数一个张量，按 layout.infos 的顺序"),
-    "count": ("returned {got} tensors for {expected} parameters", "对 {expected} 个参数返回了 {got} 个张量"),
-    "one_per_parameter": ("one tensor per parameter of layout.infos (the padding at the end of flat is no parameter)",
-                          "layout.infos 的每个参数一个张量（flat 末尾的填充不是参数）"),
-    "keep_rows": ("keep the rows' shape: ({rows}, *shape[1:]), not a flat run of elements",
-                  "保持行的形状：({rows}, *shape[1:])，而不是一串展平的元素"),
-    "ceil_rows": ("rows per rank are ceil(d0 / N) = ceil({d0} / {n}) = {rows}, as torch.chunk takes them (the last "
-                  "ranks get fewer), not d0 // N",
-                  "每个 rank 的行数是 ceil(d0 / N) = ceil({d0} / {n}) = {rows}，与 torch.chunk 的切法相同"
-                  "（最后的 rank 分得更少），而不是 d0 // N"),
-    "row_range": ("rank r holds rows [r * c, min((r + 1) * c, d0)) with c = ceil(d0 / N) = {rows}: the first ranks "
-                  "get c rows each and the last ones the rest, or none",
-                  "rank r 持有 [r * c, min((r + 1) * c, d0)) 行，其中 c = ceil(d0 / N) = {rows}：前面的 rank 每个"
-                  "得到 c 行，最后的 rank 得到剩下的行，或者一行也没有"),
-    "dim0": ("cut each parameter on dim 0 (rows), as fully_shard's Shard(0) does, not its flat elements",
-             "按 dim 0（行）切分每个参数，与 fully_shard 的 Shard(0) 一样，而不是按展平元素切"),
-    "chunk_shape": ("'{name}' {shape}: chunk of shape {got}, expected {expected}",
-                    "'{name}' {shape}：分块的形状是 {got}，应为 {expected}"),
-    "other_values": ("'{name}' {shape}: the chunk holds other values", "'{name}' {shape}：分块里是别的值"),
-    "own_elements": ("take the parameter's own elements (layout.unflatten(flat), or flat[offset:offset + "
-                     "numel].view(shape)), then rows [r * c, min((r + 1) * c, d0)) of it",
-                     "取该参数自己的元素（layout.unflatten(flat)，或 flat[offset:offset + numel].view(shape)），"
-                     "再取其中的 [r * c, min((r + 1) * c, d0)) 行"),
-    "view": ("'{name}': the chunk is a view of the gathered flat parameter", "'{name}'：分块是全聚合后展平参数的视图"),
-    "copy": ("return a copy (.clone()): a view keeps the whole gathered unit alive after the gather is freed, which "
-             "is what cutting one unit at a time avoids",
-             "返回副本（.clone()）：视图会让整个全聚合的单元在全聚合的结果被释放之后仍然存活，而逐个单元切分正是为了"
-             "避免这一点"),
-    # what passed
-    "passed": ("  {units} units, every rank: each parameter's rows as torch.chunk cuts them on dim 0 (empty chunks "
-               "included), copied out of the gathered flat parameter",
-               "  {units} 个单元，每个 rank：每个参数的行都按 torch.chunk 在第 0 维上的切法切出（包括空分块），"
-               "并从全聚合后的展平参数中拷贝出来"),
-})
+T = catalogue("dcp")  # fsdp_course/i18n/catalogues/dcp.yml
 
 
 def reference_chunks(named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int) -> list[torch.Tensor]:

@@ -1,11 +1,6 @@
 """Checkers of exercise 02: DDP by hand, broadcast the initial parameters and average gradients with hooks.
 
-Data parallelism (ZeRO, arXiv:1910.02054, section 2) keeps a full replica on every rank; two things
-keep the replicas equal: one broadcast of rank 0's parameters at the start (the article does this
-too), and an average of the gradients in every backward (PyTorch's DDP reduces them from autograd
-hooks while backward is still running). Each rank here starts from a *different* random model, so
-a missing broadcast shows, and trains on its slice of every global batch; the result must equal
-one process training on the whole batch, step by step.
+Design notes: docs/CLASSROOM.md, "Checkers", `ddp.py`.
 """
 
 from __future__ import annotations
@@ -47,66 +42,7 @@ __all__ = ["check_broadcast_parameters", "check_ddp"]
 SIZES = (6, 5, 3)  # Linear(6, 5) -> Tanh -> Linear(5, 3): parameters 0.weight, 0.bias, 2.weight, 2.bias
 STEPS, GLOBAL_BATCH, LR = 3, 12, 0.5  # 12 splits evenly over 1, 2, 3 and 4 ranks
 
-T = catalogue("ddp", {
-    # the broadcast
-    "not_broadcast": ("rank {rank}'s `{name}` differs from rank 0's initial value (max difference {diff:.4g})",
-                      "rank {rank} 的 `{name}` 与 rank 0 的初始值不同（最大差值 {diff:.4g}）"),
-    "own_values": ("rank {rank}'s `{name}` still holds its own initial values: broadcast every parameter from rank "
-                   "0, in place (for p in model.parameters(): ctx.broadcast(p.data, src=0))",
-                   "rank {rank} 的 `{name}` 还是它自己的初始值：从 rank 0 原地广播每个参数"
-                   "（for p in model.parameters(): ctx.broadcast(p.data, src=0)）"),
-    "other_rank": ("rank {rank}'s `{name}` holds rank {k}'s values: broadcast from src=0",
-                   "rank {rank} 的 `{name}` 是 rank {k} 的值：从 src=0 广播"),
-    "averaged": ("that is the average of the ranks' values: broadcast rank 0's values (ctx.broadcast), do not "
-                 "all-reduce them", "这是各 rank 值的平均：应广播 rank 0 的值（ctx.broadcast），不要全归约它们"),
-    "broadcast": ("broadcast copies rank 0's tensor into the same tensor on every rank: ctx.broadcast(p.data, src=0)",
-                  "广播把 rank 0 的张量拷贝到每个 rank 上的同一个张量里：ctx.broadcast(p.data, src=0)"),
-    "shows_more": ("{hint} (check_broadcast_parameters shows more)",
-                   "{hint}（check_broadcast_parameters 会给出更多信息）"),
-    "param_names": ("rank {rank}'s model has parameters {names}, expected {expected}",
-                    "rank {rank} 的模型的参数是 {names}，应为 {expected}"),
-    "in_place": ("change the parameters' values in place; do not add, remove or rename them",
-                 "原地修改参数的值；不要添加、删除或重命名参数"),
-    "new_object": ("rank {rank}'s `{name}` is a new tensor object", "rank {rank} 的 `{name}` 是一个新的张量对象"),
-    "copy_in_place": ("copy into the existing parameters in place (ctx.broadcast(p.data, src=0)): an optimizer built "
-                      "on model.parameters() still holds the old ones",
-                      "原地拷贝到已有的参数里（ctx.broadcast(p.data, src=0)）："
-                      "基于 model.parameters() 创建的优化器仍持有旧参数"),
-    # the gradients and the step
-    "no_grad": ("rank {rank}'s `{name}` has no gradient after backward", "反向之后，rank {rank} 的 `{name}` 没有梯度"),
-    "fill_grad": ("let autograd fill p.grad: a hook averages it, it does not replace it with None",
-                  "让 autograd 填充 p.grad：钩子对它求平均，而不是把它换成 None"),
-    "one_process": ("compare with one process on the whole batch: the average over ranks of the slices' gradients",
-                    "与单进程在整个批次上的结果比较：它等于各 rank 数据切片的梯度在各 rank 间的平均"),
-    "summed": ("rank {rank}'s gradient is {n}x the one-process gradient: the hooks summed it over the ranks; average "
-               "it (op='mean', or divide by ctx.world_size)",
-               "rank {rank} 的梯度是单进程梯度的 {n} 倍：钩子对各 rank 求了和；应求平均（op='mean'，或除以 "
-               "ctx.world_size）"),
-    "averaged_twice": ("rank {rank}'s gradient is {n}x too small: it was averaged twice (op='mean' and a division by "
-                       "the world size?)",
-                       "rank {rank} 的梯度只有应得值的 1/{n}：平均了两次（op='mean' 之外又除以了 world size？）"),
-    "own_slice": ("rank {rank}'s gradient is its own slice's gradient, not averaged over the ranks: register a hook "
-                  "on every parameter that all-reduces its gradient with op='mean' (p.register_hook(...) or "
-                  "p.register_post_accumulate_grad_hook(...))",
-                  "rank {rank} 的梯度只是它自己数据切片的梯度，没有在各 rank 间平均：给每个参数注册一个钩子，"
-                  "用 op='mean' 全归约它的梯度（p.register_hook(...) 或 p.register_post_accumulate_grad_hook(...)）"),
-    "grad_differs": ("rank {rank}'s gradient of `{name}` differs from one process's",
-                     "rank {rank} 上 `{name}` 的梯度与单进程的结果不同"),
-    "param_differs": ("rank {rank}'s `{name}` after the step differs from one process's (max difference {diff:.3g} "
-                      "relative)", "更新之后，rank {rank} 上的 `{name}` 与单进程的结果不同（相对最大差值 {diff:.3g}）"),
-    "step_unused": ("the gradients matched, so the step did not use them: do not change p.grad or the parameters "
-                    "after backward",
-                    "梯度是对的，所以是这一步更新没有用上它们：反向之后不要再修改 p.grad 或参数"),
-    # what passed
-    "broadcast_passed": ("  every rank started from its own random model; after the call all hold rank 0's values, in "
-                         "the same parameter objects",
-                         "  每个 rank 都从自己的随机模型开始；调用之后，所有 rank 都持有 rank 0 的值，"
-                         "而且仍是原来那些参数对象"),
-    "ddp_passed": ("  {steps} SGD steps, global batch {batch} split over the ranks: every rank's gradients and "
-                   "parameters equal one process's, at every step",
-                   "  {steps} 步 SGD，全局批大小 {batch}，分给各 rank：每一步里，每个 rank 的梯度和参数"
-                   "都与单进程的结果相同"),
-})
+T = catalogue("ddp")  # fsdp_course/i18n/catalogues/ddp.yml
 
 
 def _rank_models(world_size: int) -> list[nn.Module]:

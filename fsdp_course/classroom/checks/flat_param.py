@@ -1,14 +1,6 @@
 """Checker of exercise 05: the flat parameter, flattened with padding, cut into equal shards, unflattened as views.
 
-PyTorch FSDP (arXiv:2304.11277, section 3.2.1) lays a unit's parameters end to end in one 1-D
-FlatParameter, pads it to a multiple of the world size N and gives rank r the r-th of N equal
-chunks. The article the course follows computed `shardSize = ceil(total / worldSize)` but let the
-last rank keep a shorter slice, which Gloo's all-gather and reduce-scatter refuse; the padding
-fixes it. The model then computes with *views* of the gathered buffer, so that gathering once
-refreshes every parameter and autograd sums all their gradients into one flat gradient.
-
-The learner's three functions are compared with `fsdp_course.fsdp.flat_param.FlatParamLayout`, then
-used together on simulated ranks: every rank's shard, all-gathered, must rebuild the parameters.
+Design notes: docs/CLASSROOM.md, "Checkers", `flat_param.py`.
 """
 
 from __future__ import annotations
@@ -43,82 +35,7 @@ SHAPE_CASES: tuple[tuple[tuple[int, ...], ...], ...] = (
 WORLD_SIZES = (1, 2, 3, 4, 5)
 GATHER_WORLD_SIZES = (2, 3, 4)
 
-T = catalogue("flat_param", {
-    "changed_input": ("{name} changed its input tensors", "{name} 修改了传给它的输入张量"),
-    "new_tensor": ("build a new tensor (torch.cat) and leave the parameters as they are",
-                   "新建一个张量（torch.cat），保持参数不变"),
-    "not_tensor": ("{name} returned {kind}, not a tensor", "{name} 返回了 {kind}，不是张量"),
-    "return_flat": ("return the flat, padded 1-D tensor", "返回填充后的一维展平张量"),
-    "not_1d": ("the flat tensor has shape {shape}, not 1-D", "展平参数的形状是 {shape}，不是一维的"),
-    "flatten_cat": ("flatten every tensor with t.reshape(-1) and concatenate them with torch.cat",
-                    "用 t.reshape(-1) 展平每个张量，再用 torch.cat 把它们拼接起来"),
-    "pad_to": ("{numel} elements over {n} ranks: pad with zeros to the next multiple of {n}, ceil({numel} / {n}) * {n} "
-               "= {padded}",
-               "{numel} 个元素分给 {n} 个 rank：用零填充到 {n} 的下一个倍数，即 ceil({numel} / {n}) * {n} = {padded}"),
-    "one_rank": ("one rank holds everything, so there is nothing to pad: the flat tensor is the {numel} elements laid "
-                 "end to end (pad by (-numel) % world_size zeros, which is 0 here)",
-                 "只有一个 rank 时它持有全部元素，所以无需填充：展平参数就是首尾相接的 {numel} 个元素（填充 (-numel) % "
-                 "world_size 个零，这里是 0）"),
-    "no_padding": ("no padding: {hint}", "没有填充：{hint}"),
-    "numel": ("the flat tensor has {got} elements, expected {expected}", "展平参数有 {got} 个元素，应为 {expected}"),
-    "dtype": ("dtype {got}, expected {expected}", "dtype 是 {got}，应为 {expected}"),
-    "keep_dtype": ("keep the parameters' dtype: pad with flat.new_zeros(k)",
-                   "保持参数的 dtype：用 flat.new_zeros(k) 来填充"),
-    "padding_zeros": ("the padding must be zeros, at the end (its gradient is then 0 and it changes no sum)",
-                      "填充必须是零，且放在末尾（这样它的梯度为 0，不改变任何求和）"),
-    "wrong_order": ("right values, wrong order: lay the tensors end to end in the order given, each row by row",
-                    "数值对，顺序错：按给定顺序把张量首尾相接，每个张量按行展开"),
-    "holds_values": ("the flat tensor holds each tensor's values, in order (t.reshape(-1)), then zeros",
-                     "展平参数依次包含每个张量的值（t.reshape(-1)），然后是零"),
-    "values_differ": ("the flat tensor's values differ", "展平参数的值不对"),
-    "range_returned": ("shard_range(..., rank={r}) returned {got}", "shard_range(..., rank={r}) 返回了 {got}"),
-    "return_pair": ("return a pair of ints (start, end)", "返回一对 int：(start, end)"),
-    "article_bug": ("rank {last}'s shard has {short} elements, the others {size}: this is the article's bug. Every "
-                    "shard must have ceil(numel / N) = {shard} elements: the padding fills the last",
-                    "rank {last} 的分片有 {short} 个元素，其余分片有 {size} 个：这正是文章的 bug。"
-                    "每个分片都必须有 ceil(numel / N) = {shard} 个元素：最后一个分片由填充补齐"),
-    "not_whole": ("{numel} / {n} is not whole: shards have ceil(numel / N) = {shard} elements, not floor(numel / N), "
-                  "or the last elements belong to no rank",
-                  "{numel} / {n} 不是整数：分片应有 ceil(numel / N) = {shard} 个元素，而不是 floor(numel / N)，"
-                  "否则最后几个元素不属于任何 rank"),
-    "rank_r": ("rank r's shard is [r * s, (r + 1) * s) with s = ceil(numel / N) = {shard}: equal shards, in rank "
-               "order, covering the padded buffer",
-               "rank r 的分片是 [r * s, (r + 1) * s)，其中 s = ceil(numel / N) = {shard}：大小相等，按 rank 顺序，"
-               "覆盖填充后的缓冲区"),
-    "range": ("rank {r}'s range is {got}, expected {expected}", "rank {r} 的区间是 {got}，应为 {expected}"),
-    "returned_length": ("{name} returned {kind} of length {length}", "{name} 返回了长度为 {length} 的 {kind}"),
-    "returned_kind": ("{name} returned {kind} ", "{name} 返回了 {kind}"),  # the space: as the English always was
-    "one_per_shape": ("return a list with one tensor per shape ({count})",
-                      "返回一个列表，每个形状一个张量（共 {count} 个）"),
-    "tensor_shape": ("tensor {i} is {got}, expected shape {shape}", "张量 {i} 是 {got}，应为形状 {shape}"),
-    "cut_view": ("cut numel elements for each shape, then .view(shape)",
-                 "为每个形状切出 numel 个元素，再 .view(shape)"),
-    "other_values": ("tensor {i} holds other values", "张量 {i} 的值不对"),
-    "running_offset": ("tensor i starts where tensor i - 1 ended: keep a running offset",
-                       "张量 i 从张量 i - 1 结束的位置开始：维护一个累加的偏移量"),
-    "copy": ("tensor {i} is a copy, not a view of the flat buffer", "张量 {i} 是副本，不是展平缓冲区的视图"),
-    "shares_memory": ("flat[a:b].view(shape) shares flat's memory; torch.tensor(...), .clone() or torch.cat copy, and "
-                      "then gathering into the flat buffer no longer updates the parameters",
-                      "flat[a:b].view(shape) 与 flat 共享内存；torch.tensor(...)、.clone() 或 torch.cat 都会拷贝，"
-                      "之后全聚合到展平缓冲区就不再更新参数了"),
-    "views_unchanged": ("after flat.add_(100) the views did not change", "执行 flat.add_(100) 之后，视图没有跟着变化"),
-    "return_views": ("return views of flat (flat[a:b].view(shape)), not copies",
-                     "返回 flat 的视图（flat[a:b].view(shape)），而不是副本"),
-    "rebuilt_differs": ("parameter {i} rebuilt from the gathered shards differs",
-                        "由全聚合的分片重建出的参数 {i} 不对"),
-    "each_step": ("flatten, take the shard, all_gather, unflatten: each step must agree",
-                  "展平、取分片、all_gather、还原成视图：每一步都必须彼此一致"),
-    # what passed
-    "passed_layout": ("  {cases} lists of shapes: flattened in order, padded with zeros to a multiple of N; equal "
-                      "shards in rank order; views that share the flat buffer's memory",
-                      "  {cases} 组形状：按顺序展平，用零填充到 N 的整数倍；按 rank 顺序切成大小相等的分片；"
-                      "视图与展平缓冲区共享内存"),
-    "passed_gather": ("  on simulated ranks (world sizes {sizes}): all-gathering every rank's shard rebuilds every "
-                      "parameter",
-                      "  在模拟的 rank 上（world size 为 {sizes}）：全聚合每个 rank 的分片，就能重建每个参数"),
-    "passed_example": ("  e.g. shapes {shapes} over {n} ranks: {numel} elements padded to {padded}, shards {shards}",
-                       "  例如形状 {shapes} 分到 {n} 个 rank 上：{numel} 个元素填充到 {padded}，分片为 {shards}"),
-})
+T = catalogue("flat_param")  # fsdp_course/i18n/catalogues/flat_param.yml
 
 
 def _tensors(shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:

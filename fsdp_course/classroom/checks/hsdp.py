@@ -1,19 +1,6 @@
 """Checker of exercise 16: HSDP's gradient path for one flat gradient.
 
-The learner writes `hsdp_reduce_grad(mesh, grad)`: `mesh` is this rank's `ctx.mesh(replicate=R, shard=S)`
-(runtime/mesh.py: `mesh.shard` and `mesh.replicate` are rank contexts over its row and its column), `grad` this
-rank's unsharded flat gradient (padded to a multiple of S) from its own slice of the batch. It returns this rank's
-shard of the mean over all N = R x S ranks' gradients, the way FSDP2's HSDP computes it
-(torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, `foreach_reduce`) and the course's
-`FSDP(..., mesh=mesh)` does: a reduce-scatter (mean) in the shard group, then an all-reduce (mean) of that shard
-across the replicate group.
-
-Checked on every rank at meshes 2x3, 2x2, 1x4 and 3x1 (a flat gradient of 11 elements: padded at S = 2, 3 and 4):
-the result against the mean of all ranks' gradients, cut at shard s; and from the three ledgers (the world's, the
-shard group's, the replicate group's) which collective ran in which group. Diagnosed by name: a collective in the
-wrong group (both named when both are, e.g. the groups swapped), replicas that disagree (no all-reduce across the
-replicate group), a result R, S or N times too large (a sum instead of a mean; the factor and its value named), and
-an all-reduce of the whole gradient instead of the shard (right values, S times the inter-group bytes).
+Design notes: docs/CLASSROOM.md, "Checkers", `hsdp.py`.
 """
 
 from __future__ import annotations
@@ -43,79 +30,7 @@ NUMEL = 11  # padded to 12 at S = 2, 3 and 4
 SEED = 14
 TOL = 1e-5
 
-T = catalogue("hsdp", {
-    "world": ("the whole world (ctx)", "ctx（整个 world）"),
-    "both_wrong": ("both collectives ran in the wrong group{swapped}: the reduce-scatter in {scatter_in}, the "
-                   "all-reduce in {reduce_in}",
-                   "两个集合通信都在错误的组里运行{swapped}：归约分散用的是 {scatter_in}，全归约用的是 {reduce_in}"),
-    "swapped": (" (the two groups swapped)", "（两个组弄反了）"),
-    "order": ("reduce-scatter in mesh.shard (the S ranks that split the gradient), then all-reduce the shard in "
-              "mesh.replicate (the R ranks that hold the same shard)",
-              "在 mesh.shard（切分梯度的 S 个 rank）中归约分散，再在 mesh.replicate（持有同一分片的 R 个 rank）中全归约"
-              "该分片"),
-    "all_reduce_world": ("all-reduce over the wrong group: it ran over the whole world (ctx), whose ranks hold "
-                         "different shards",
-                         "全归约用错了组：它在整个 world（ctx）上运行，而这些 rank 持有不同的分片"),
-    "across_replicate": ("all-reduce the reduced shard across mesh.replicate: the ranks in this rank's column hold the "
-                         "same shard",
-                         "在 mesh.replicate 上对归约分散得到的分片做全归约：这个 rank 所在列的各 rank 持有同一个分片"),
-    "ran_over_world": ("{ops} ran over the whole world (ctx), not in a group of the mesh",
-                       "{ops} 在整个 world（ctx）上运行，而不是在 mesh 的某个组里"),
-    "order_short": ("reduce-scatter in mesh.shard (the S ranks that split the gradient), then all-reduce in "
-                    "mesh.replicate (the R ranks that hold the same shard)",
-                    "在 mesh.shard（切分梯度的 S 个 rank）中归约分散，再在 mesh.replicate（持有同一分片的 R 个 rank）中"
-                    "全归约"),
-    "all_reduce_shard": ("all-reduce over the wrong group: it ran in mesh.shard, whose ranks hold different shards",
-                         "全归约用错了组：它在 mesh.shard 中运行，而这些 rank 持有不同的分片"),
-    "scatter_replicate": ("reduce-scatter over the wrong group: it ran in mesh.replicate",
-                          "归约分散用错了组：它在 mesh.replicate 中运行"),
-    "scatter_in_shard": ("reduce-scatter in mesh.shard: the gradient is split into S shards, one per rank of a row",
-                         "在 mesh.shard 中归约分散：梯度被切成 S 个分片，一行中的每个 rank 一个"),
-    "shard_group_ran": ("the shard group ran {ops}, expected one reduce_scatter",
-                        "分片组运行的集合通信：{ops}，应为一次 reduce_scatter"),
-    "nothing": ("nothing", "无"),
-    "shard_reduce_scatter": ("mesh.shard.reduce_scatter(grad, op='mean') gives this rank its shard of the row's mean",
-                             "mesh.shard.reduce_scatter(grad, op='mean') 给出这一行梯度平均值中属于这个 rank 的分片"),
-    "whole_gradient": ("the replicate group all-reduced {got} bytes, the shard has {shard}: the whole gradient "
-                       "crosses the slow link, {factor}x HSDP's inter-group bytes",
-                       "副本组全归约了 {got} 字节，而分片只有 {shard} 字节：整个梯度都走了慢速链路，"
-                       "是 HSDP 组间字节数的 {factor} 倍"),
-    "scatter_first": ("reduce-scatter first, then all-reduce only the shard it returns (FSDP2's order)",
-                      "先归约分散，再只对它返回的分片做全归约（FSDP2 的顺序）"),
-    "not_tensor": ("returned {kind}, not a tensor", "返回了 {kind}，不是张量"),
-    "return_shard": ("return this rank's shard (what reduce_scatter returned, after the all-reduce)",
-                     "返回这个 rank 的分片（即 reduce_scatter 返回、再经过全归约的结果）"),
-    "shape": ("returned shape {got}, expected {expected} (the padded gradient of {numel} elements in {shard} shards)",
-              "返回的形状是 {got}，应为 {expected}（{numel} 个元素的填充后梯度，分成 {shard} 个分片）"),
-    "not_whole": ("return the shard that mesh.shard.reduce_scatter gave this rank, not the whole gradient",
-                  "返回 mesh.shard.reduce_scatter 给这个 rank 的分片，而不是整个梯度"),
-    "replicas_disagree": ("replicas disagree: ranks {first} and {rank} hold shard {s} but different values",
-                          "副本不一致：rank {first} 和 rank {rank} 持有分片 {s}，但数值不同"),
-    "all_reduce_replicas": ("after the reduce-scatter, all-reduce the shard (op='mean') across mesh.replicate, so "
-                            "every replica holds the mean over all R x S ranks",
-                            "归约分散之后，在 mesh.replicate 上全归约该分片（op='mean'），"
-                            "让每个副本都持有全部 R x S 个 rank 的平均"),
-    "all_summed": ("{n}x too large (N = R x S = {n}): both collectives summed (op='sum'); use op='mean' in both",
-                   "大了 {n} 倍（N = R x S = {n}）：两个集合通信都求了和（op='sum'）；两个都用 op='mean'"),
-    "replicas_summed": ("{n}x too large (R = {n}): the all-reduce summed the replicas (op='sum'); use op='mean' across "
-                        "mesh.replicate",
-                        "大了 {n} 倍（R = {n}）：全归约对各副本求了和（op='sum'）；在 mesh.replicate 上用 op='mean'"),
-    "shards_summed": ("{n}x too large (S = {n}): the reduce-scatter summed the shard group (op='sum'); use "
-                      "op='mean'", "大了 {n} 倍（S = {n}）：归约分散对分片组求了和（op='sum'）；用 op='mean'"),
-    "mean_of_slices": ("the gradient is the mean over all ranks' slices, as one process's mean loss gives it",
-                       "梯度是所有 rank 数据切片梯度的平均，与单进程用平均损失得到的梯度相同"),
-    "differs": ("the shard differs from the mean over all {n} ranks' gradients ({rel:.2e} relative)",
-                "该分片与全部 {n} 个 rank 梯度的平均不同（相对误差 {rel:.2e}）"),
-    "path": ("reduce-scatter (mean) in mesh.shard, then all-reduce (mean) of the result in mesh.replicate, and return "
-             "that shard",
-             "在 mesh.shard 中归约分散（mean），再在 mesh.replicate 中对结果全归约（mean），并返回该分片"),
-    # what passed
-    "meshes": ("world sizes {sizes}; meshes {shapes}", "world size 为 {sizes}；mesh 为 {shapes}"),
-    "passed": ("  reduce-scatter (mean) in the shard group, all-reduce (mean) of the shard in the replicate group: "
-               "every rank holds its shard of the mean over all ranks, and the replicas of a shard agree",
-               "  在分片组中归约分散（mean），再在副本组中对分片全归约（mean）：每个 rank 都持有所有 rank 平均值中"
-               "属于自己的分片，且同一分片的各个副本一致"),
-})
+T = catalogue("hsdp")  # fsdp_course/i18n/catalogues/hsdp.yml
 
 
 def hsdp_grads(replicate: int, shard: int) -> list[torch.Tensor]:

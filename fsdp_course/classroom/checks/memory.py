@@ -1,14 +1,6 @@
 """Checker of exercise 03: a ZeRO memory calculator, against the formulas and against measured bytes.
 
-ZeRO (arXiv:1910.02054, section 5.1, figure 1) counts the model states of mixed-precision Adam; the
-course trains in fp32, so per parameter: 4 bytes of parameter, 4 of gradient and K = 8 of Adam
-state (momentum and variance). Stage 0 (DDP) replicates all three, stage 1 shards the optimizer
-state over the N ranks, stage 2 also the gradients, stage 3 (FSDP) also the parameters:
-16 Psi, 8 Psi + 8 Psi/N, 4 Psi + 12 Psi/N, 16 Psi/N bytes per rank.
-
-The learner's numbers are compared with `fsdp_course.memory.zero_formula`, then with what the
-course's engines (DDP, ZeRO-1, ZeRO-2, FSDP) really hold after one AdamW step, measured from the
-live tensor storages (`fsdp_course.memory.measure`) on simulated ranks.
+Design notes: docs/CLASSROOM.md, "Checkers", `memory.py`.
 """
 
 from __future__ import annotations
@@ -46,46 +38,7 @@ MEASURED_SIZES = (16, 16, 16, 8)  # 680 parameters: every layer's numel divides 
 MEASURE_WORLD_SIZES = (2, 4)
 MEASURE_SLACK = 64  # bytes: Adam's `step` counters (one 4-byte scalar per parameter tensor)
 
-T = catalogue("memory", {
-    "parameters": ("parameters", "参数"),
-    "gradients": ("gradients", "梯度"),
-    "adam_state": ("Adam state", "Adam 状态"),
-    "total": ("total is params + grads + optimizer", "total 是 params + grads + optimizer 之和"),
-    "shards": ("{stage_name} shards the {what}: each rank keeps 1/N of them; divide by the world size (stage {first} "
-               "and above)",
-               "{what}在 {stage_name} 中是分片的：每个 rank 只保留其中的 1/N；要除以 world size"
-               "（stage {first} 及以上）"),
-    "not_yet": ("{stage_name} does not shard the {what} yet: stage 1 shards the optimizer state, stage 2 also the "
-                "gradients, stage 3 also the parameters",
-                "{what}在 {stage_name} 中还没有分片：stage 1 对优化器状态分片，stage 2 再加上梯度，stage 3 再加上参数"),
-    "adam_two": ("Adam keeps two fp32 tensors per parameter (momentum and variance): 8 bytes per parameter, not 4",
-                 "Adam 为每个参数保存两个 fp32 张量（动量和方差）：每个参数 8 字节，不是 4"),
-    "elements": ("those are elements, not bytes: one fp32 value is 4 bytes",
-                 "这些是元素个数，不是字节数：一个 fp32 值占 4 字节"),
-    "per_parameter": ("per parameter: 4 bytes of parameter (fp32), 4 of gradient, 8 of Adam state; divide what the "
-                      "stage shards by the world size",
-                      "每个参数：参数 4 字节（fp32），梯度 4 字节，Adam 状态 8 字节；"
-                      "该阶段分片的部分要除以 world size"),
-    "measured": ("{category}: your formula says {got:,.0f} B, rank 0 holds {held:,} B",
-                 "{category}：你的公式给出 {got:,.0f} B，而 rank 0 实际持有 {held:,} B"),
-    "returned": ("returned {kind} {value!r:.120}", "返回了 {kind} {value!r:.120}"),
-    "return_dict": ("return a dict with the keys {keys} (bytes per rank)",
-                    "返回一个 dict，键为 {keys}（每个 rank 的字节数）"),
-    "not_number": ("{category} is {kind}, not a number", "{category} 是 {kind}，不是数字"),
-    "plain_numbers": ("return plain numbers of bytes (int or float)", "返回表示字节数的普通数字（int 或 float）"),
-    "got_expected": ("{category}: got {got:,.0f} B, expected {expected:,.0f} B",
-                     "{category}：得到 {got:,.0f} B，应为 {expected:,.0f} B"),
-    # what passed
-    "against": ("world sizes {formula} against zero_formula; {measured} against measured bytes",
-                "world size 为 {formula} 时与 zero_formula 对照；为 {measured} 时与实测字节数对照"),
-    "measured_after": ("  measured after one AdamW step, {numel} parameters, rank 0 (params + grads + Adam state):",
-                       "  一步 AdamW 之后的实测值，{numel} 个参数，rank 0（参数 + 梯度 + Adam 状态）："),
-    # the rows are data: the stage's name, N and two numbers of bytes, aligned under the columns' names
-    "table": ("    stage         N  your formula B  measured B\n{rows}",
-              "    阶段          N      你的公式 B      实测 B\n{rows}"),
-    "step_counters": ("  (measured includes Adam's step counters, 4 B per parameter tensor)",
-                      "  （实测值包含 Adam 的 step 计数器，每个参数张量 4 B）"),
-})
+T = catalogue("memory")  # fsdp_course/i18n/catalogues/memory.yml
 
 
 def measure_stages(world_size: int) -> dict[int, dict[str, int]]:

@@ -1,26 +1,6 @@
 """Checker of exercise 14: forward prefetching with asynchronous all-gathers.
 
-The learner writes `forward_prefetch(ctx, shards, compute, x)`: `shards[i]` is this rank's shard of unit i's flat
-parameter, `compute(i, full, x)` runs unit i with its gathered flat parameter `full` and returns its output. One unit
-at a time, as FSDP does, but with the next unit's all-gather issued (`ctx.all_gather(..., async_op=True)`) *before*
-the current unit computes, and waited for just before the next unit needs it: the communication of unit i+1 runs
-while unit i computes (PyTorch FSDP, arXiv:2304.11277, section 3.3, forward prefetching; FSDP2's
-`set_modules_to_forward_prefetch`; the course's `FSDP(..., prefetch=1)`).
-
-The checker supplies `compute`, which times each unit's compute (a `Span`) and looks at what it is given; the
-ledger gives each all-gather's start (every rank had joined it) and the moment it was waited for (the ledger records
-an asynchronous collective when it is waited for). Units have different sizes, so a gather's bytes say which unit it
-was. What is checked, on each rank, at world sizes 1 to 3:
-
-- the output equals one process running the same units with the full parameters;
-- each unit is gathered once, and `compute(i, ...)` gets unit i's gathered parameters, after its all-gather was
-  waited for;
-- the all-gather of unit i+1 starts before unit i's compute, and is not waited for before it (that would serialize
-  the two again); and no unit further ahead is gathered yet (prefetch one unit: two units' parameters at once).
-
-`run_forward(fn, world_size, batch=...)` runs any such function on simulated ranks and returns, per rank, its output,
-the compute spans and the ledger, for `viz.plot_overlap`; `ForwardRun.gather_starts()` says when each gather started
-against the previous unit's compute, and `order_report(run)` says it in words, in the course's language.
+Design notes: docs/CLASSROOM.md, "Checkers", `overlap.py`.
 """
 
 from __future__ import annotations
@@ -59,87 +39,7 @@ WIDTHS = (48, 80, 32, 64, 16)  # four units: Linear(48, 80), Linear(80, 32), Lin
 BATCH = 64  # the checker's batch; a picture of overlap wants units that compute longer than a gather takes
 SEED = 13
 
-T = catalogue("overlap", {
-    "call_with_index": ("call compute(i, full, x) with the index i of the unit that runs",
-                        "调用 compute(i, full, x) 时，传入正在运行的单元的下标 i"),
-    "wait_returns": ("work.wait() returns the gathered tensor: pass what it returns",
-                     "work.wait() 返回全聚合后的张量：传入它的返回值"),
-    "pass_tensor": ("pass the tensor the all-gather returns (work.wait() returns it)",
-                    "传入全聚合返回的张量（work.wait() 会返回它）"),
-    "right_work": ("keep each unit's CollectiveWork and wait for the right one: unit i's wait() returns unit i's "
-                   "parameters",
-                   "保存每个单元的 CollectiveWork 并等待正确的那个：单元 i 的 wait() 返回单元 i 的参数"),
-    "gather_first": ("all-gather shards[i] first: ctx.all_gather(shards[i], async_op=True).wait() returns every "
-                     "rank's shards, concatenated",
-                     "先全聚合 shards[i]：ctx.all_gather(shards[i], async_op=True).wait() 返回所有 rank 的分片，"
-                     "首尾相接"),
-    "unchanged": ("pass what ctx.all_gather(shards[i], ...) returns, unchanged",
-                  "把 ctx.all_gather(shards[i], ...) 的返回值原样传入"),
-    "used_before_wait": ("unit {i}'s parameters were used before its all-gather was waited for",
-                         "单元 {i} 的全聚合还没有被等待，它的参数就被使用了"),
-    "async_fills": ("an async all-gather fills its output in the background: call work.wait() before using the "
-                    "parameters, and use what it returns",
-                    "异步全聚合在后台填充输出：使用参数之前调用 work.wait()，并使用它返回的结果"),
-    "other_values": ("compute({i}, ...) got values that are not unit {i}'s gathered parameters",
-                     "compute({i}, ...) 得到的值不是单元 {i} 全聚合后的参数"),
-    "pass_unchanged": ("pass what unit {i}'s all-gather returns, unchanged (the concatenation of every rank's "
-                       "shards[{i}])",
-                       "把单元 {i} 的全聚合的返回值原样传入（所有 rank 的 shards[{i}] 首尾相接）"),
-    "already_waited": ("unit {next}'s all-gather had already been waited for (or run without async_op=True) when "
-                       "unit {i}'s compute started, so nothing overlaps",
-                       "单元 {i} 开始计算时，单元 {next} 的全聚合已经被等待过了（或者没有用 async_op=True 运行），"
-                       "所以没有任何重叠"),
-    "issue_async": ("issue unit {next}'s all-gather with async_op=True before computing unit {i}, and call wait() "
-                    "only just before unit {next} needs its parameters",
-                    "在计算单元 {i} 之前用 async_op=True 发起单元 {next} 的全聚合，等单元 {next} 即将用到参数时才调用 "
-                    "wait()"),
-    "no_unit_after": ("there is no unit after the last one: issue the next unit's all-gather only if i + 1 < "
-                      "len(shards)",
-                      "最后一个单元之后没有单元了：只有 i + 1 < len(shards) 时才发起下一个单元的全聚合"),
-    "async_op": ("ctx.all_gather returns a tensor unless you pass async_op=True; with it, a CollectiveWork to wait() "
-                 "on",
-                 "不传 async_op=True 时，ctx.all_gather 返回一个张量；传了它，则返回一个要对它调用 wait() 的 "
-                 "CollectiveWork"),
-    "computed_units": ("compute was called for units {computed}, expected {expected}",
-                       "compute 被调用的单元是 {computed}，应为 {expected}"),
-    "call_in_order": ("call compute(i, full, x) once for every unit, in order, passing each output on as the next "
-                      "unit's x",
-                      "对每个单元按顺序调用一次 compute(i, full, x)，把每个输出作为下一个单元的 x 传下去"),
-    "gathered_times": ("unit {i} was gathered {count} times", "单元 {i} 被全聚合了 {count} 次"),
-    "gather_once": ("all-gather each unit's shard exactly once, and wait for each all-gather",
-                    "每个单元的分片恰好全聚合一次，并等待每一次全聚合"),
-    "started_after": ("unit {next}'s all-gather started after unit {i}'s compute",
-                      "单元 {next} 的全聚合在单元 {i} 的计算之后才开始"),
-    "issue_before": ("issue it before computing: ctx.all_gather(shards[{next}], async_op=True) before compute({i}, "
-                     "...), and wait just before use, when unit {next} runs",
-                     "在计算之前发起它：在 compute({i}, ...) 之前调用 ctx.all_gather(shards[{next}], async_op=True)，"
-                     "等到单元 {next} 运行、即将使用时再 wait"),
-    "three_units": ("unit {ahead}'s all-gather started before unit {i}'s compute: three units' parameters are "
-                    "gathered at once",
-                    "单元 {ahead} 的全聚合在单元 {i} 的计算之前就开始了：三个单元的参数同时处于全聚合状态"),
-    "one_ahead": ("prefetch one unit ahead only (FSDP's prefetch=1): issue unit i+1's all-gather while unit i is about "
-                  "to compute, not all of them at the start",
-                  "只预取下一个单元（FSDP 的 prefetch=1）：在单元 i 即将计算时发起单元 i+1 的全聚合，"
-                  "而不是一开始就发起全部"),
-    "not_output": ("returned {kind}, not the output", "返回了 {kind}，而不是输出"),
-    "return_last": ("return the last unit's output (what compute returned for the last unit)",
-                    "返回最后一个单元的输出（compute 对最后一个单元的返回值）"),
-    "output_differs": ("the output differs from one process's", "输出与单进程的结果不同"),
-    "pass_on": ("pass each unit's output on as the next unit's x, and return the last one",
-                "把每个单元的输出作为下一个单元的 x 传下去，并返回最后一个输出"),
-    # order_report's lines
-    "started_before": ("unit {i}'s all-gather started before unit {p}'s compute began",
-                       "单元 {i} 的全聚合在单元 {p} 开始计算之前就已启动"),
-    "started_during": ("unit {i}'s all-gather started while unit {p} computed",
-                       "单元 {i} 的全聚合在单元 {p} 计算期间启动"),
-    "started_after_end": ("unit {i}'s all-gather started after unit {p}'s compute ended",
-                          "单元 {i} 的全聚合在单元 {p} 计算结束之后才启动"),
-    # what passed
-    "passed": ("  {units} units: each unit's all-gather started before the previous unit's compute and was waited for "
-               "just before use, one unit ahead; the output equals one process's",
-               "  {units} 个单元：每个单元的全聚合都在前一个单元计算之前就已启动，直到使用前才等待它完成，"
-               "即提前一个单元；输出与单进程的结果相同"),
-})
+T = catalogue("overlap")  # fsdp_course/i18n/catalogues/overlap.yml
 
 
 class ComputeMisuse(Exception):

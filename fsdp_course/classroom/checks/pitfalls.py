@@ -1,15 +1,6 @@
 """Checkers of exercise 10: gradient clipping by the global norm, and a data-parallel step debugged.
 
-Clipping. `torch.nn.utils.clip_grad_norm_` scales all gradients by max_norm / ||g|| when the
-norm of *all* gradients together exceeds max_norm. With sharded gradients each rank holds a piece
-of g; the article clips each shard by its own norm (`shardedGrad.norm()`), so every rank scales by
-a different factor and the update is no longer the one-process update. The fix: every rank sums
-its squared norms, one all-reduce adds them up, the root is the global norm, identical on all ranks.
-
-Debugging. A training step that (1) all-reduces the loss for logging inside `if ctx.rank == 0:`,
-so the other ranks never join that collective (a hang, or a mismatch with their next call), and
-(2) sums the gradients over the ranks instead of averaging them, so at world size N every step is
-N times too long (divergence). The learner's fixed step must train exactly like one process.
+Design notes: docs/CLASSROOM.md, "Checkers", `pitfalls.py`.
 """
 
 from __future__ import annotations
@@ -54,72 +45,7 @@ CLIP_CASES = (("clipping", 1.0), ("no clipping", 1e6))
 STEP_SIZES = (6, 5, 3)
 STEP_STEPS, STEP_BATCH, STEP_LR = 4, 12, 0.5
 
-T = catalogue("pitfalls", {
-    "not_norm": ("returned {kind}, not the norm", "返回了 {kind}，而不是范数"),
-    "return_norm": ("return the global norm (a 0-d tensor or a float)", "返回全局范数（0 维张量或 float）"),
-    "wrong_norm": ("rank {rank} returned the norm {norm:.6g}, the global norm is {total:.6g}",
-                   "rank {rank} 返回的范数是 {norm:.6g}，全局范数是 {total:.6g}"),
-    "own_norm": ("{norm:.6g} is rank {rank}'s own shard's norm: the article's bug. Sum the squared norms of the shards "
-                 "over all ranks (ctx.all_reduce, op='sum'), then take the square root",
-                 "{norm:.6g} 是 rank {rank} 自己分片的范数：这是文章的 bug。要在所有 rank 上对各分片的范数平方求和"
-                 "（ctx.all_reduce，op='sum'），再开平方"),
-    "norms_add": ("norms do not add up: all-reduce the squared norms (sum), then take the square root",
-                  "范数不能直接相加：全归约范数的平方（求和），再开平方"),
-    "sqrt_mean": ("that is sqrt(mean of the squared norms): all-reduce the squares with op='sum', not 'mean'",
-                  "这是 sqrt(范数平方的平均)：全归约平方时用 op='sum'，不是 'mean'"),
-    "norm_formula": ("the global norm is sqrt(sum over ranks and shards of (shard ** 2).sum())",
-                     "全局范数是 sqrt(对所有 rank 的所有分片求 (shard ** 2).sum() 之和)"),
-    "not_scaled": ("the shards were not scaled: multiply each in place (g.mul_(coef)), coef = max_norm / (norm + 1e-6)",
-                   "分片没有被缩放：对每个分片原地相乘（g.mul_(coef)），coef = max_norm / (norm + 1e-6)"),
-    "below_max": ("the global norm is below max_norm: clip only when it exceeds it (clamp the factor at 1)",
-                  "全局范数低于 max_norm：只有超过时才做梯度裁剪（把系数限制在 1 以内）"),
-    "own_scale": ("rank {rank} scaled by max_norm / its own norm ({own:.4g}): the article's bug; every rank must scale "
-                  "by max_norm / the global norm ({total:.4g})",
-                  "rank {rank} 用 max_norm / 它自己的范数（{own:.4g}）缩放：这是文章的 bug；每个 rank 都必须用 "
-                  "max_norm / 全局范数（{total:.4g}）缩放"),
-    "same_factor": ("scale every shard in place by the same factor: min(1, max_norm / (global norm + 1e-6))",
-                    "用同一个系数原地缩放每个分片：min(1, max_norm / (全局范数 + 1e-6))"),
-    "clipped_differs": ("shard {i} after clipping differs from one process's", "裁剪之后，分片 {i} 与单进程的结果不同"),
-    "collective_on_rank0": ("a rank made a collective that the others did not (a collective under "
-                            "`if ctx.rank == 0:`?): every rank must call every collective, in the same order; compute "
-                            "on all ranks, print on rank 0 only",
-                            "有一个 rank 做了其他 rank 没做的集合通信（集合通信写在了 `if ctx.rank == 0:` 下？）："
-                            "每个 rank 都必须按相同顺序调用每个集合通信；在所有 rank 上计算，只在 rank 0 上打印"),
-    "average_then_step": ("after backward, average every gradient over the ranks (op='mean'), then step, then zero the "
-                          "gradients", "反向之后，在各 rank 间平均每个梯度（op='mean'），然后更新一步，再把梯度清零"),
-    "grads_summed": ("the parameters moved {n}x as far as one process's at world size {n}: the gradients are summed "
-                     "over the ranks, not averaged; use op='mean' (or divide by ctx.world_size)",
-                     "world size {n} 时参数移动的距离是单进程的 {n} 倍：梯度在各 rank 间求了和而不是平均；用 op='mean'"
-                     "（或除以 ctx.world_size）"),
-    "averaged_twice": ("the parameters moved 1/{n} as far as one process's: the gradients were averaged twice",
-                       "参数移动的距离只有单进程的 1/{n}：梯度被平均了两次"),
-    "stepped_twice": ("the step was taken twice (or the gradients were not zeroed after the previous step)",
-                      "这一步更新执行了两次（或者上一步之后没有把梯度清零）"),
-    "param_differs": ("rank {rank}'s `{pname}` after the step differs from one process's",
-                      "更新之后，rank {rank} 上的 `{pname}` 与单进程的结果不同"),
-    "not_loss": ("rank {rank} returned {kind}, not the loss", "rank {rank} 返回了 {kind}，而不是损失"),
-    "return_loss": ("return the global loss as a float (loss.item() after the all-reduce)",
-                    "以 float 返回全局损失（全归约之后调用 loss.item()）"),
-    "mean_loss": ("return the mean over the ranks of their losses (ctx.all_reduce(..., op='mean') on every rank)",
-                  "返回各 rank 损失的平均（在每个 rank 上调用 ctx.all_reduce(..., op='mean')）"),
-    "own_loss": ("rank {rank} returned its own slice's loss: all-reduce the loss (op='mean') on every rank to get the "
-                 "global one",
-                 "rank {rank} 返回的是它自己那份数据的损失：在每个 rank 上全归约损失（op='mean'）得到全局损失"),
-    "loss_summed": ("that is {n}x the global loss: average the losses (op='mean'), do not sum them",
-                    "这是全局损失的 {n} 倍：要对损失求平均（op='mean'），不要求和"),
-    "wrong_loss": ("rank {rank} returned the loss {loss:.6g}, one process's is {ref:.6g}",
-                   "rank {rank} 返回的损失是 {loss:.6g}，单进程的是 {ref:.6g}"),
-    # what passed
-    "clip_passed": ("  every rank returns the global norm of all shards and scales its shards by the same factor, as "
-                    "torch.nn.utils.clip_grad_norm_ does on one process; nothing changes when the norm is below "
-                    "max_norm",
-                    "  每个 rank 都返回所有分片的全局范数，并用同一个系数缩放自己的分片，"
-                    "与 torch.nn.utils.clip_grad_norm_ 在单进程上的做法一致；范数低于 max_norm 时什么都不改变"),
-    "step_passed": ("  {steps} SGD steps, global batch {batch} split over the ranks: every rank returns the global "
-                    "loss and holds one process's parameters after every step",
-                    "  {steps} 步 SGD，全局批大小 {batch}，分给各 rank：每一步之后，每个 rank 都返回全局损失，"
-                    "并持有与单进程相同的参数"),
-})
+T = catalogue("pitfalls")  # fsdp_course/i18n/catalogues/pitfalls.yml
 
 
 def _clip_inputs(n: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:

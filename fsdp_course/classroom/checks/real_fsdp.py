@@ -1,21 +1,6 @@
 """Checker of exercise 11: the course's units with PyTorch's `fully_shard`, trained under torchrun.
 
-The learner writes `shard_like_course(model, mesh)`: apply `torch.distributed.fsdp.fully_shard` to the same units as
-`FSDP(model, ctx, wrap={nn.TransformerEncoderLayer})`, bottom-up as fully_shard's docs ask: every
-`nn.TransformerEncoderLayer` first, then the model itself (the root: embeddings, final norm, head), each with
-`mesh=mesh` (what `fsdp_course/engines/torch_fsdp.py`'s `shard_with_fully_shard` does).
-
-The check has two parts:
-
-1. In this process: the learner's function on the small Transformer (mesh None), with `fully_shard` replaced in its
-   namespace by a recorder that shards nothing: which modules it was applied to, in which order. Diagnosed by name:
-   the root sharded before the layers (fully_shard then fails inside torch), the root not sharded, a layer
-   missing, other modules made units.
-2. One torchrun launch of 2 processes: each runs the learner's function (its source, shipped like the checkpoint
-   checker's), trains `STEPS` AdamW steps on its half of each global batch with `count_collectives` on, and reports
-   its losses and collectives. The losses (mean over the ranks) are compared with the course's
-   `FSDP(..., reshard_root_after_forward=False)` in threads, at `TOL`; the all-gathers per step must be the
-   course's units': the root once (fully_shard keeps it gathered from forward to backward), every layer twice.
+Design notes: docs/CLASSROOM.md, "Checkers", `real_fsdp.py`.
 """
 
 from __future__ import annotations
@@ -50,77 +35,7 @@ TORCHRUN_TIMEOUT = 240.0
 LAYERS = ("encoder.layers.0", "encoder.layers.1")
 EXPECTED_UNITS = [*LAYERS, "root"]  # in the order fully_shard must be applied
 
-T = catalogue("real_fsdp", {
-    "loss_differs": ("fully_shard's loss {theirs:.6f} differs from the course's FSDP's {ours:.6f} by {gap:.1e} "
-                     "(relative), above {tol:g}",
-                     "fully_shard 的损失 {theirs:.6f} 与课程 FSDP 的损失 {ours:.6f} 的相对差为 {gap:.1e}，"
-                     "超过了 {tol:g}"),
-    "exact_units": ("shard exactly the course's units, each with mesh=mesh and no other options",
-                    "只分片课程的这些单元，每个都用 mesh=mesh，不加其他选项"),
-    "import_inside": ("the function runs in fresh processes, where only torch, nn and fully_shard are imported: import "
-                      "anything else it uses inside the function",
-                      "函数在全新的进程中运行，那里只导入了 torch、nn 和 fully_shard："
-                      "它用到的其他东西要在函数内部导入"),
-    "layers_first": ("fully_shard the layers first and the model last: applied to the model first, the root unit takes "
-                     "every parameter, and the layers' fully_shard then finds no parameter of their own",
-                     "先对各层调用 fully_shard，最后才是模型：如果先用在模型上，根单元会拿走所有参数，"
-                     "之后各层的 fully_shard 就找不到属于自己的参数了"),
-    "root_first": ("fully_shard was applied in the order {calls}: the root before {after}",
-                   "fully_shard 的调用顺序是 {calls}：根单元排在 {after} 之前"),
-    "bottom_up": ("bottom-up, as fully_shard's docs ask: every layer first, then fully_shard(model) last; the root "
-                  "sharded first would take every parameter into one unit",
-                  "按 fully_shard 文档的要求自底向上：先对每一层调用 fully_shard，最后才是 fully_shard(model)；"
-                  "如果先分片根模块，它会把所有参数都放进同一个单元"),
-    "root_missing": ("the model itself is not sharded: fully_shard was applied to {units} only",
-                     "模型本身没有分片：fully_shard 只用在了 {units} 上"),
-    "finish_root": ("finish with fully_shard(model, mesh=mesh): the root unit holds what no layer owns (embeddings, "
-                    "final norm, head); without it those parameters are neither sharded nor averaged over the ranks, "
-                    "and the replicas drift apart",
-                    "最后调用 fully_shard(model, mesh=mesh)：根单元持有不属于任何层的参数（嵌入、最后的 norm、"
-                    "分类头）；没有它，这些参数既不分片，也不在各 rank 间平均，各副本会逐渐分叉"),
-    "layer_missing": ("{n} units ({units}), expected {expected}: {missing} not a unit of its own",
-                      "{n} 个单元（{units}），应为 {expected} 个：{missing} 不是一个独立的单元"),
-    "every_layer": ("call fully_shard(layer, mesh=mesh) for every layer in model.encoder.layers before the model",
-                    "在模型之前，对 model.encoder.layers 中的每一层调用 fully_shard(layer, mesh=mesh)"),
-    "extra_units": ("{n} units, expected {expected}: {extra} made units as well",
-                    "{n} 个单元，应为 {expected} 个：{extra} 也被做成了单元"),
-    "only_course_units": ("the course's units are the encoder layers and the root, nothing else",
-                          "课程的单元是各编码器层和根单元，没有别的"),
-    "no_source": ("the source of {name} cannot be found", "找不到 {name} 的源代码"),
-    "define_it": ("define it in a notebook cell or a .py file: torchrun's processes run its source",
-                  "在 notebook 的单元格或 .py 文件里定义它：torchrun 的进程运行的是它的源代码"),
-    "timeout": ("torchrun did not finish within {timeout:g} s", "torchrun 没有在 {timeout:g} 秒内结束"),
-    "only_fully_shard": ("{name} must only call fully_shard", "{name} 只能调用 fully_shard"),
-    "reported_nothing": ("rank {rank}'s process reported nothing (torchrun exit code {code})",
-                         "rank {rank} 的进程什么也没有报告（torchrun 退出码 {code}）"),
-    "fresh_process": ("{name} runs in a fresh process: it may use only its arguments, torch and fully_shard",
-                      "{name} 在一个全新的进程里运行：只能使用它的参数、torch 和 fully_shard"),
-    "process_raised": ("the process raised {error}", "该进程抛出了 {error}"),
-    "in_fresh_process": ("{hint} (the function runs in a fresh process: it may use only its arguments, torch and "
-                         "fully_shard)",
-                         "{hint}（函数在一个全新的进程里运行：只能使用它的参数、torch 和 fully_shard）"),
-    "fsdp_states": ("{got} FSDP states under torchrun, expected {expected}: one per encoder layer and the root",
-                    "torchrun 下有 {got} 个 FSDP 状态，应为 {expected} 个：每个编码器层一个，再加根单元"),
-    "layers_then_model": ("fully_shard(layer, mesh=mesh) for every layer, then fully_shard(model, mesh=mesh)",
-                          "对每一层调用 fully_shard(layer, mesh=mesh)，然后调用 fully_shard(model, mesh=mesh)"),
-    "all_gathers": ("{per_step:g} all-gathers per step, expected {expected}: the root once and every layer twice",
-                    "每步 {per_step:g} 次全聚合，应为 {expected} 次：根单元一次，每一层两次"),
-    "default_reshard": ("shard every layer, then the model, with the default reshard_after_forward (the root stays "
-                        "gathered, the layers are gathered again in the backward)",
-                        "先分片每一层，再分片模型，使用默认的 reshard_after_forward（根单元保持全聚合，"
-                        "各层在反向时再全聚合一次）"),
-    # what passed
-    "passed": ("  fully_shard on {units}, in that order: {states} FSDP states; {gathers} all-gathers and {scatters} "
-               "reduce-scatters per step under torchrun",
-               "  按 {units} 的顺序调用 fully_shard：{states} 个 FSDP 状态；在 torchrun 下每步 {gathers} 次全聚合、"
-               "{scatters} 次归约分散"),
-    "losses": ("  step  loss, fully_shard  loss, course FSDP  relative difference (below {tol:g})",
-               "  步骤  fully_shard 损失    课程 FSDP 损失  相对差（低于 {tol:g}）"),
-    "step_below": ("  {step:>4}  {theirs:>16.4f}  {ours:>16.4f}  below 1e-5",
-                   "  {step:>4}  {theirs:>16.4f}  {ours:>16.4f}  低于 1e-5"),
-    "step_gap": ("  {step:>4}  {theirs:>16.4f}  {ours:>16.4f}  {gap:.1e}",
-                 "  {step:>4}  {theirs:>16.4f}  {ours:>16.4f}  {gap:.1e}（未低于上限）"),
-})
+T = catalogue("real_fsdp")  # fsdp_course/i18n/catalogues/real_fsdp.yml
 
 
 def _model() -> nn.Module:
