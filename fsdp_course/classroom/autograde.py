@@ -20,7 +20,6 @@ import traceback
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,16 +48,11 @@ __all__ = ["ASSIGNMENT", "build_gradebook", "cell_order", "exercise_ids", "grade
            "main"]
 
 
-def _ensure_alembic_on_path() -> None:
-    """nbgrader creates a gradebook by running the `alembic` script: make this interpreter's scripts findable."""
-    bindir = os.path.dirname(sys.executable)
-    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-
-
 def build_gradebook(solutions: Sequence[Path], db_path: Path) -> dict[str, float]:
     """An nbgrader gradebook (sqlite) of the exercises, as `generate_assignment` records them; max score each."""
-    _ensure_alembic_on_path()
+    bindir = os.path.dirname(sys.executable)  # nbgrader creates a gradebook by running this interpreter's `alembic`
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     db_url = f"sqlite:///{db_path}"
     with Gradebook(db_url) as gb:
         gb.update_or_create_assignment(ASSIGNMENT)
@@ -178,25 +172,10 @@ GUARD_MIME = "application/vnd.fsdp-course.grader+json"  # the guard's reports: d
 CHECKS_PACKAGE = "fsdp_course.classroom.checks"  # the guard itself is guard.py: the first cell runs its make_guard
 
 
-@dataclass
-class _Guard:
-    """What the grader put into one notebook: the guard's name there, and each checker cell's nonce and source."""
-
-    name: str
-    nonces: dict[str, str]
-    originals: dict[str, str]
-
-
-def _checks_dir() -> Path:
-    import fsdp_course.classroom.checks as checks  # noqa: PLC0415  (imports torch: only here, in the worker)
-
-    return Path(checks.__file__).parent
-
-
 def _preload() -> list[str]:
     """The modules the checks import, also inside functions: the guard imports them before any student cell."""
     names = {CHECKS_PACKAGE, "fsdp_course"}
-    for path in sorted(_checks_dir().glob("*.py")):
+    for path in sorted(Path(__file__).with_name("checks").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_course"):
                 names.add(node.module)
@@ -210,59 +189,53 @@ def _rewrite_checker(source: str, guard: str, grade_id: str, nonce: str) -> str:
     except SyntaxError:
         return source  # the instructor's cell fails as it is
     lines = source.splitlines()
-    for node in sorted((n for n in tree.body if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module
-                        and (n.module == CHECKS_PACKAGE or n.module.startswith(CHECKS_PACKAGE + "."))),
-                       key=lambda n: -n.lineno):
+    for node in sorted((n for n in tree.body if isinstance(n, ast.ImportFrom) and n.level == 0
+                        and n.module == CHECKS_PACKAGE), key=lambda n: -n.lineno):
         if any(a.name == "*" for a in node.names):
             continue
         targets = ", ".join(a.asname or a.name for a in node.names)
-        names = ", ".join(repr(a.name) for a in node.names)
-        if node.module == CHECKS_PACKAGE:
-            value = f"{guard}.get({names})"
-        else:
-            value = ", ".join(f"{guard}.module({node.module!r}).{a.name}" for a in node.names)
+        value = f"{guard}.get({', '.join(repr(a.name) for a in node.names)})"
         indent = lines[node.lineno - 1][:node.col_offset]
         lines[node.lineno - 1:node.end_lineno] = [f"{indent}{targets} = {value}  # the grader's own copy"]
     return "\n".join([f"{guard}.begin({grade_id!r})", *lines, f"{guard}.done({grade_id!r}, {nonce!r})"])
 
 
-def _install_guard(nb: NotebookNode, graded: dict[str, float]) -> _Guard:
-    """Rewrite the checker cells to go through the guard, and put the guard's cell first."""
-    guard = _Guard(name=f"_grader_{secrets.token_hex(6)}", nonces={}, originals={})
+def _install_guard(nb: NotebookNode, graded: dict[str, float]) -> dict[str, tuple[str, str]]:
+    """Rewrite the checker cells to go through the guard, and put the guard's cell first; returns each checker
+    cell's nonce and original source, by grade id."""
+    name, receipts = f"_grader_{secrets.token_hex(6)}", {}
     for cell in nb.cells:
         gid = _nbgrader_id(cell)
         if cell.cell_type == "code" and gid in graded:
-            guard.nonces[gid] = secrets.token_hex(16)
-            guard.originals[gid] = cell.source
-            cell.source = _rewrite_checker(cell.source, guard.name, gid, guard.nonces[gid])
-    from fsdp_course.classroom import guard as guard_module  # noqa: PLC0415
-
-    path = Path(guard_module.__file__)  # its text, run in a namespace of its own: nothing of it is importable there
-    setup = (f"{guard.name} = (lambda ns: exec(compile({path.read_text(encoding='utf-8')!r}, {str(path)!r}, 'exec'), "
+            receipts[gid] = (secrets.token_hex(16), cell.source)
+            cell.source = _rewrite_checker(cell.source, name, gid, receipts[gid][0])
+    path = Path(__file__).with_name("guard.py")  # its text, run in a namespace of its own: nothing of it is importable
+    setup = (f"{name} = (lambda ns: exec(compile({path.read_text(encoding='utf-8')!r}, {str(path)!r}, 'exec'), "
              f"ns) or ns['make_guard']({_preload()!r}, {GUARD_MIME!r}, {CHECKS_PACKAGE!r}))({{}})\n")
     nb.cells.insert(0, nbformat.v4.new_code_cell(setup, metadata={"fsdp_course_grader": True}))
-    return guard
+    return receipts
 
 
-def _collect_receipts(nb: NotebookNode, guard: _Guard) -> list[str]:
+def _collect_receipts(nb: NotebookNode, receipts: dict[str, tuple[str, str]]) -> list[str]:
     """Remove the guard's reports from the checker cells; return its findings. A checker cell without its
     closing report and without an error did not run as the grader wrote it: it gets an error (scores 0)."""
     flags: set[str] = set()
     for cell in nb.cells:
         gid = _nbgrader_id(cell)
-        if gid not in guard.nonces:
+        if gid not in receipts:
             continue
-        reports = [o.data[GUARD_MIME] for o in cell.get("outputs", []) if "data" in o and GUARD_MIME in o.data]
-        cell.outputs = [o for o in cell.get("outputs", []) if not ("data" in o and GUARD_MIME in o.data)]
+        nonce, original = receipts[gid]
+        outputs = cell.get("outputs", [])
+        cell.outputs = [o for o in outputs if GUARD_MIME not in o.get("data", {})]
+        reports = [r for o in outputs if isinstance(r := o.get("data", {}).get(GUARD_MIME), dict)]
         for r in reports:
-            flags.update(str(f) for f in r.get("flags", []) if isinstance(r, dict))
-        done = any(isinstance(r, dict) and r.get("stage") == "done" and r.get("nonce") == guard.nonces[gid]
-                   and r.get("grade_id") == gid for r in reports)
+            flags.update(str(f) for f in r.get("flags", []))
+        done = any(r.get("stage") == "done" and r.get("nonce") == nonce and r.get("grade_id") == gid for r in reports)
         if not done and not any(o.output_type == "error" for o in cell.outputs):
             why = "the checker cell did not run to its end as the grader wrote it (was its code changed as it ran?)"
             cell.outputs.append(error_output("GraderCheckIncomplete", why))
             flags.add(f"checker cell {gid}: {why}")
-        cell.source = guard.originals[gid]
+        cell.source = original
     return sorted(flags)
 
 
@@ -288,8 +261,7 @@ def _static_flags(nb: NotebookNode, graded: dict[str, float]) -> list[str]:
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code" or _nbgrader_id(cell) in graded:
             continue
-        source = cell.source if isinstance(cell.source, str) else "".join(cell.source)
-        code = "\n".join(line.split("#", 1)[0] for line in source.splitlines())
+        code = "\n".join(line.split("#", 1)[0] for line in cell.source.splitlines())
         for pattern, what in [*_SUSPECT, (rebinding, "rebinds a check_* name")]:
             if pattern.search(code):
                 flags.append(f"cell {index + 1} {what}")
@@ -298,7 +270,7 @@ def _static_flags(nb: NotebookNode, graded: dict[str, float]) -> list[str]:
 
 def _package_digest() -> str:
     """A digest of the course's Python files on disk: a notebook that edits them is flagged."""
-    root = _checks_dir().parents[1]
+    root = Path(__file__).parents[1]
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
@@ -322,19 +294,15 @@ def _kernel_env(tmpdir: Path) -> dict[str, str]:
     return {**env, "TMPDIR": str(tmpdir)}  # the kernel's temporary files (run_ranks' stores...) stay in the sandbox
 
 
-def grade_notebook(job: dict[str, Any], gradebook: str, *, reap: bool = False) -> dict[str, Any]:
+def grade_notebook(job: dict[str, Any], gradebook: str) -> dict[str, Any]:
     """Grade `job["submission"]` as exercise `job["exercise"]` against `gradebook` (SQL text); never raises.
-    The kernel runs in the folder `job["sandbox"]`; its connection file goes to `job["private"]`.
-
-    Afterwards the kernel and every process below it are killed. With `reap` (a process of its own that grades
-    one notebook: the grader's worker, `main`), this process also adopts orphans and kills all its descendants,
-    so a notebook's double-forked daemon ends too; without it, other children of the caller are left alone."""
+    The kernel runs in the folder `job["sandbox"]`; its connection file goes to `job["private"]`. The caller is a
+    process of its own that grades this one notebook: it adopts orphans, and afterwards kills all its descendants."""
     started = time.monotonic()
     exercise = job["exercise"]
     result: dict[str, Any] = {"exercise": exercise, "status": "ok", "notes": [], "checks": [], "errors": []}
     try:
-        text = Path(job["submission"]).read_bytes().decode("utf-8")
-        nb = nbformat.reads(text, as_version=4)
+        nb = nbformat.read(job["submission"], as_version=4)
         if not isinstance(nb.get("cells"), list):
             raise ValueError("no list of cells")
     except Exception as exc:  # noqa: BLE001
@@ -342,7 +310,7 @@ def grade_notebook(job: dict[str, Any], gradebook: str, *, reap: bool = False) -
         return result
     try:
         with _memory_gradebook(gradebook) as db_url:
-            return _grade(nb, job, db_url, result, started, reap)
+            return _grade(nb, job, db_url, result, started)
     except Exception as exc:  # noqa: BLE001  (a grader problem: reported, never silent)
         result["status"] = "grader-error"
         result["notes"].append(f"grading failed: {type(exc).__name__}: {exc}"[:500])
@@ -351,7 +319,7 @@ def grade_notebook(job: dict[str, Any], gradebook: str, *, reap: bool = False) -
 
 
 def _grade(nb: NotebookNode, job: dict[str, Any], db_url: str, result: dict[str, Any],
-           started: float, reap: bool) -> dict[str, Any]:
+           started: float) -> dict[str, Any]:
     exercise, student = job["exercise"], job["student"]
     infos = exercise_ids(db_url)
     info = dict(infos[exercise], order=job["order"][exercise])
@@ -369,23 +337,18 @@ def _grade(nb: NotebookNode, job: dict[str, Any], db_url: str, result: dict[str,
     work.mkdir(parents=True)
     tmpdir.mkdir()
     nbformat.write(nb, work / f"{exercise}.ipynb")  # the copy the kernel runs beside (it runs the one in memory)
-    guard = _install_guard(nb, info["graded"])  # after that copy: the kernel's files name no nonce of the guard's
+    receipts = _install_guard(nb, info["graded"])  # after that copy: the kernel's files name no nonce of the guard's
     digest = _package_digest()
-    executor = TimedExecute(timeout=None, notebook_timeout=float(job["timeout"]),
-                            max_output_chars=int(job.get("max_output_chars", 20_000)), raise_on_iopub_timeout=False)
+    executor = TimedExecute(timeout=None, notebook_timeout=float(job["timeout"]), raise_on_iopub_timeout=False)
     executor.kernel_env = _kernel_env(tmpdir)
-    if reap:
-        _adopt_orphans()
+    _adopt_orphans()
     km = kernel_manager(Path(job["private"]))
     try:
         nb, _ = executor.preprocess(nb, {"metadata": {"path": str(work)}}, km=km)
     except Exception as exc:  # noqa: BLE001  (e.g. the kernel never started)
         executor.stopped = executor.stopped or f"{type(exc).__name__}: {exc}"
     finally:
-        if reap:
-            kill_tree(os.getpid(), include_root=False)  # the kernel and all below it: we have no other child
-        elif getattr(km.provisioner, "pid", None):
-            kill_tree(km.provisioner.pid)  # the kernel and all below it
+        kill_tree(os.getpid(), include_root=False)  # the kernel and all below it: we have no other child
         shutdown(km)
     setup = nb.cells.pop(0)  # the guard's cell: not the student's
     if 0 not in executor.executed or any(o.output_type == "error" for o in setup.get("outputs", [])):
@@ -395,7 +358,7 @@ def _grade(nb: NotebookNode, job: dict[str, Any], db_url: str, result: dict[str,
     for index, cell in enumerate(nb.cells):
         if cell.cell_type == "code" and index not in executed and not cell.get("outputs"):
             cell.outputs = [error_output(NOT_RUN, executor.stopped or "not run")]
-    flags += _collect_receipts(nb, guard)
+    flags += _collect_receipts(nb, receipts)
     if _package_digest() != digest:
         flags.append("the course's files on disk changed while this notebook ran (grade in a container)")
     nb, _ = LimitOutput().preprocess(nb, {})
@@ -417,20 +380,16 @@ def _grade(nb: NotebookNode, job: dict[str, Any], db_url: str, result: dict[str,
             for o in cell.outputs:
                 if o.output_type == "error" and o.ename != NOT_RUN:
                     result["errors"].append(f"cell {index + 1}: {o.ename}: {o.evalue}"[:300])
-    if executor.stopped.startswith("time limit"):
-        result["status"] = "timeout"
-        result["notes"].append(f"stopped: {executor.stopped}; the cells after it were not run")
-    elif executor.stopped:
-        result["status"] = "error"
+    if executor.stopped:
+        result["status"] = "timeout" if executor.stopped.startswith("time limit") else "error"
         result["notes"].append(f"stopped: {executor.stopped}; the cells after it were not run")
     elif result["errors"]:
         result["status"] = "error"
     result["flags"] = list(dict.fromkeys(flags))
-    if job.get("html", True):
-        try:
-            result["html"] = feedback_html(nb, resources)
-        except Exception as exc:  # noqa: BLE001  (the scores stand; only this page is missing)
-            result["notes"].append(f"no HTML feedback for this notebook: {type(exc).__name__}: {exc}"[:300])
+    try:
+        result["html"] = feedback_html(nb, resources)
+    except Exception as exc:  # noqa: BLE001  (the scores stand; only this page is missing)
+        result["notes"].append(f"no HTML feedback for this notebook: {type(exc).__name__}: {exc}"[:300])
     result["seconds"] = round(time.monotonic() - started, 1)
     return result
 
@@ -483,8 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     job = json.loads(Path(args[0]).read_text())
     with tempfile.TemporaryDirectory(prefix="fsdp_grade_", ignore_cleanup_errors=True) as sandbox, \
             tempfile.TemporaryDirectory(prefix="fsdp_grade_") as private:
-        result = grade_notebook({**job, "sandbox": sandbox, "private": private}, gradebook_sql(Path(job["gradebook"])),
-                                reap=True)
+        result = grade_notebook({**job, "sandbox": sandbox, "private": private}, gradebook_sql(Path(job["gradebook"])))
     Path(job["result"]).write_text(json.dumps(result))
     return 0
 

@@ -55,15 +55,12 @@ def _cells(path: Path) -> list[dict]:
     return json.loads(path.read_text(encoding="utf-8"))["cells"]
 
 
-def _heading(cells: list[dict]) -> str:
-    first = "".join(cells[0]["source"]).splitlines()[0] if cells else ""
-    return re.sub(r"^#\s*(Exercise\s+|练习\s*)?[0-9A-Z]+\d*\s*·\s*", "", first).strip()
-
-
 def _title(path: Path, lang: str) -> str:
     """The heading of `path`, or of its Chinese twin (zh/ beside it) in Chinese when there is one."""
     twin = path.parent / "zh" / path.name
-    return _heading(_cells(twin if lang == "zh" and twin.exists() else path))
+    cells = _cells(twin if lang == "zh" and twin.exists() else path)
+    first = "".join(cells[0]["source"]).splitlines()[0] if cells else ""
+    return re.sub(r"^#\s*(Exercise\s+|练习\s*)?[0-9A-Z]+\d*\s*·\s*", "", first).strip()
 
 
 def course_map(root: Path | None = None, lang: str = "en") -> list[Lesson]:

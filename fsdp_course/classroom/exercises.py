@@ -11,7 +11,6 @@ import tempfile
 from pathlib import Path
 
 import nbformat
-from nbconvert.exporters import NotebookExporter
 from nbgrader.preprocessors import ClearHiddenTests, ClearOutput, ClearSolutions
 
 __all__ = ["check", "exercise_json", "generate", "main"]
@@ -22,16 +21,12 @@ _VOLATILE_CELL_METADATA = ("execution", "collapsed", "scrolled")
 def exercise_json(solution: Path) -> str:
     """The exercise notebook generated from one solution notebook, as the exact text to write."""
     nb = nbformat.read(solution, as_version=4)
-    exporter = NotebookExporter()
-    exporter.register_preprocessor(ClearSolutions(), enabled=True)
-    exporter.register_preprocessor(ClearHiddenTests(), enabled=True)
-    exporter.register_preprocessor(ClearOutput(), enabled=True)
-    body, _ = exporter.from_notebook_node(nb, resources={})
-    cleaned = nbformat.reads(body, as_version=4)
-    for cell in cleaned.cells:
+    for pp in (ClearSolutions(), ClearHiddenTests(), ClearOutput()):
+        nb, _ = pp.preprocess(nb, {})
+    for cell in nb.cells:
         for key in _VOLATILE_CELL_METADATA:
             cell.metadata.pop(key, None)
-    return nbformat.writes(cleaned, version=4).rstrip("\n") + "\n"
+    return nbformat.writes(nb) + "\n"
 
 
 def generate(solutions_dir: Path = Path("solutions"), exercises_dir: Path = Path("exercises")) -> list[Path]:

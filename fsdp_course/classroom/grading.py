@@ -45,11 +45,6 @@ class StudentGrades:
         return sum(c["score"] for c in result["checks"]) if result else 0.0
 
     @property
-    def flagged(self) -> bool:
-        """Some notebook of this student touched the checking machinery (see the results' "flags")."""
-        return any(r and r.get("flags") for r in self.results.values())
-
-    @property
     def status(self) -> str:
         found = [r["status"] for r in self.results.values() if r]
         return max(found, key=STATUSES.index) if found else "invalid"
@@ -118,19 +113,12 @@ def _worker(job: dict[str, Any], gradebook: str, send: Any) -> None:
     os.chdir("/")
     from fsdp_course.classroom import autograde
 
-    send.send(autograde.grade_notebook(job, gradebook, reap=True))
+    send.send(autograde.grade_notebook(job, gradebook))
 
 
 def _unfinished(exercise: str, status: str, note: str) -> dict[str, Any]:
     """The result of a notebook the grader could not grade."""
     return {"exercise": exercise, "status": status, "checks": [], "errors": [], "notes": [note]}
-
-
-def _workers() -> Any:
-    """Worker processes forked from a server that has imported nbgrader and torch once (seconds per notebook)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["fsdp_course.classroom.grading", "fsdp_course.classroom.autograde"])
-    return context
 
 
 def _run_worker(job: dict[str, Any], gradebook: str, hard_limit: float,
@@ -146,7 +134,8 @@ def _run_worker(job: dict[str, Any], gradebook: str, hard_limit: float,
     interrupted = unfinished("partial", "not graded: the grading was stopped (Ctrl-C or SIGTERM)")
     if stop is not None and stop.is_set():
         return interrupted
-    context = _workers()
+    context = multiprocessing.get_context("forkserver")  # forked from a server that imported nbgrader and torch once
+    context.set_forkserver_preload(["fsdp_course.classroom.grading", "fsdp_course.classroom.autograde"])
     sandbox, private = tempfile.mkdtemp(prefix="fsdp_grade_"), tempfile.mkdtemp(prefix="fsdp_grade_")
     receive, send = context.Pipe(duplex=False)
     proc = context.Process(target=_worker, args=({**job, "sandbox": sandbox, "private": private}, gradebook, send),
@@ -180,7 +169,7 @@ def _run_worker(job: dict[str, Any], gradebook: str, hard_limit: float,
 
 
 def grade(submissions: Path, out: Path, *, solutions: Path, feedback: Path | None = None, timeout: float = 180.0,
-          jobs: int = 1, max_output_chars: int = 20_000, log: Callable[[str], None] = print,
+          jobs: int = 1, log: Callable[[str], None] = print,
           stop: threading.Event | None = None) -> list[StudentGrades]:
     """Grade every student folder in `submissions`; write the CSV `out` and one feedback file per student.
     Once `stop` is set (run() sets it on Ctrl-C and SIGTERM), the running notebooks are killed and the rest
@@ -218,7 +207,7 @@ def grade(submissions: Path, out: Path, *, solutions: Path, feedback: Path | Non
         futures = {}
         for student, ex, path in work:
             job = {"submission": str(path.resolve()), "exercise": ex, "student": student, "timeout": timeout,
-                   "order": order, "max_output_chars": max_output_chars}
+                   "order": order}
             futures[pool.submit(_run_worker, job, gradebook, timeout + STARTUP_GRACE, stop)] = (student, ex)
         for future in as_completed(futures):
             student, ex = futures[future]
@@ -241,7 +230,7 @@ def grade(submissions: Path, out: Path, *, solutions: Path, feedback: Path | Non
         text = feedback_text(g, exercises, max_scores, timeout)
         (feedback / f"{g.student}.txt").write_text(text, encoding="utf-8")
         (feedback / f"{g.student}.html").write_text(feedback_page(g, exercises, text, style), encoding="utf-8")
-    flagged = sorted(g.student for g in graded if g.flagged)
+    flagged = sorted(g.student for g in graded if any(r and r.get("flags") for r in g.results.values()))
     if flagged:
         log(f"FLAGGED (their notebooks touched the checking machinery; see their feedback): {', '.join(flagged)}")
     log(f"wrote {out} ({len(graded)} students) and {len(graded)} feedback files (.txt and .html) in {feedback}/")

@@ -88,19 +88,16 @@ def make_guard(preload: list[str], mime: str, checks_package: str) -> Any:
         return tuple(sorted((k, id(v)) for k, v in vars(obj).items()
                             if isinstance(v, types.MethodType | types.FunctionType)))
 
-    def snapshot():
-        return ({label: (kind, obj, fingerprint(vars(obj), unwatched_builtins if obj is builtins else ()))
-                 for label, kind, obj in watched_objects()},
-                {label.split(" ")[0]: obj for label, _, obj in watched_objects() if isinstance(obj, types.ModuleType)
-                 and not label.endswith("(the grader's copy)")},
-                shell_state())
-
-    baseline = snapshot()
+    watched = watched_objects()
+    tables = {label: (kind, obj, fingerprint(vars(obj), unwatched_builtins if obj is builtins else ()))
+              for label, kind, obj in watched}
+    modules = {label: obj for label, _, obj in watched
+               if isinstance(obj, types.ModuleType) and not label.endswith("(the grader's copy)")}
+    state = shell_state()
     torch_wraps = {("torch", "manual_seed")}  # importing torch._dynamo (2-3 s) wraps it, keeping it as __wrapped__
     public_names = {n: getattr(public, n) for n in checkers}
 
     def findings():
-        tables, modules, state = baseline
         found = []  # (kind, what)
         for label, (kind, obj, table) in tables.items():
             ns = vars(obj)
@@ -171,9 +168,6 @@ def make_guard(preload: list[str], mime: str, checks_package: str) -> Any:
         def get(self, *names):
             fns = tuple(checkers.get(n) or getattr(own[checks_package], n) for n in names)
             return fns[0] if len(fns) == 1 else fns
-
-        def module(self, name):
-            return own[name]
 
         def done(self, grade_id, nonce):
             report(grade_id, "done", nonce)

@@ -13,10 +13,9 @@ from pathlib import Path
 
 from fsdp_course.runtime.ports import free_port
 
-__all__ = ["DEFAULT_LESSON", "free_port", "install_settings", "lab_command", "main"]
+__all__ = ["free_port", "install_settings", "lab_command", "main"]
 
-DEFAULT_LESSON = "lessons/00_welcome.ipynb"
-FIRST_LESSON = {"en": DEFAULT_LESSON, "zh": "lessons/zh/00_welcome.ipynb"}
+FIRST_LESSON = {"en": "lessons/00_welcome.ipynb", "zh": "lessons/zh/00_welcome.ipynb"}
 _OVERRIDES = {
     "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
 }
@@ -33,8 +32,8 @@ def install_settings(prefix: str | Path = sys.prefix) -> Path:
     return path
 
 
-def lab_command(root: str | Path, *, port: int, token: str, open_browser: bool = True,
-                default_url: str = f"/lab/tree/{DEFAULT_LESSON}", expose_app: bool = False) -> list[str]:
+def lab_command(root: str | Path, *, port: int, token: str, open_browser: bool, default_url: str,
+                expose_app: bool = False) -> list[str]:
     """The `jupyter lab` command line of the course's server."""
     cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={root}", "--ServerApp.ip=127.0.0.1",
            f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
