@@ -25,9 +25,11 @@ from fsdp_course.runtime.monitor import CollectiveHang, CollectiveMismatch
 from fsdp_course.runtime.simulate import RankError, run_ranks
 
 __all__ = ["CHECK_TIMEOUT", "CheckFailed", "CheckFailure", "Message", "T", "call_learner", "compare_tensor",
-           "exception_hint", "format_tensor", "headed_output", "in_ipython", "known_mistake", "learner_frames",
-           "not_implemented",
-           "padded_flat_grads", "render_for_ipython", "require_callable", "require_world_sizes", "run_checked", "say"]
+           "exception_hint", "factor_mistake", "format_tensor", "headed_output", "hints", "in_ipython", "known_mistake",
+           "learner_frames",
+           "not_implemented", "say_passed",
+           "padded_flat_grads", "render_for_ipython", "require_callable", "require_learner",
+           "require_world_sizes", "run_checked", "say"]
 
 LIBRARY_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # .../fsdp_course/
 _NOT_LEARNER = tuple({LIBRARY_DIR, *(os.path.abspath(sysconfig.get_paths()[k]) + os.sep
@@ -107,6 +109,20 @@ def known_mistake(got: Any, mistakes: Iterable[tuple[Any, Callable[[], Message]]
     return next(iter(found.values())) if len(found) == 1 else None
 
 
+def say_passed(check: str, what: Message | Iterable[int], *lines: Message) -> None:
+    """A checker's success: "All tests in {check} passed ({what})", `what` a Message or world sizes, then `lines`."""
+    what = what if isinstance(what, Message) else T("world_sizes", sizes=", ".join(map(str, what)))
+    say(T("passed", check=check, what=what), *lines)
+
+
+def factor_mistake(got: torch.Tensor, expected: torch.Tensor,
+                   mistakes: Iterable[tuple[float | None, Callable[[], Message]]]) -> Message | None:
+    """`known_mistake` of mistakes that scale the result, each by its factor: the first whose factor got is of
+    expected (`scale_ratio`, within 1e-3), or None."""
+    c = scale_ratio(got, expected, rtol=1e-3)
+    return None if c is None else known_mistake(c, mistakes, lambda a, k: abs(a / k - 1) < 1e-3, first=True)
+
+
 def say(*lines: Message) -> None:
     """Print what passed, one catalogued message per line, in the course's language only (a failure's report shows
     both: its English is what one searches for)."""
@@ -140,6 +156,11 @@ def require_callable(check: str, fn: object, example: str = "my_function") -> st
     if not callable(fn):
         raise TypeError(f"{check} takes your function itself, e.g. {check}({example}); got {type(fn).__name__}")
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "your function")
+
+
+def require_learner(check: str, fn: object, example: str, world_sizes: Sequence[int]) -> tuple[str, list[int]]:
+    """`require_callable` and `require_world_sizes` of a checker's arguments: the function's name and the sizes."""
+    return require_callable(check, fn, example), require_world_sizes(world_sizes)
 
 
 def require_world_sizes(world_sizes: Sequence[int]) -> list[int]:
@@ -217,8 +238,7 @@ def _stub_name(exc: BaseException, default: str) -> str:
 
 
 def run_checked(check: str, name: str, fn: Callable[[RankContext], Any], world_size: int,
-                where: Callable[[int], str], hint_for: Callable[[BaseException], Message],
-                timeout: float | None = None) -> list[Any]:
+                where: Callable[[int], str], hint_for: Callable[[BaseException], Message]) -> list[Any]:
     """`run_ranks(fn, world_size)`, turning failures into a learner-facing report.
 
     `name` is the learner's function; `where(rank)` says which case that rank was in when it
@@ -227,7 +247,7 @@ def run_checked(check: str, name: str, fn: Callable[[RankContext], Any], world_s
     """
     try:
         with headed_output(f"--- world size {world_size} ---"):  # the learner's prints, once per world size
-            return run_ranks(fn, world_size, timeout=CHECK_TIMEOUT if timeout is None else timeout)
+            return run_ranks(fn, world_size, timeout=CHECK_TIMEOUT)
     except RankError as err:
         failures = err.failures
         if all(isinstance(e, NotImplementedError) for e in failures.values()):
@@ -268,27 +288,26 @@ def learner_frames(exc: BaseException) -> list[str]:
     return ["where, in your code:"] + [f"  {line}" for line in lines] if lines else []
 
 
-def exception_hint(exc: BaseException) -> Message:
-    """A hint for the exceptions every exercise can meet (collectives misused, shapes lost)."""
-    text = str(exc)
-    if "must divide by the world size" in text:
-        return T("divisible")
-    if isinstance(exc, CollectiveMismatch):
-        return T("mismatch")
-    if isinstance(exc, CollectiveHang):
-        return T("skipped")
-    if "is invalid for input of size" in text:
-        return T("gathered_padding")
-    if "post accumulate grad hooks should return None" in text:
-        return T("hook_returns")
-    if "must have at least one dimension" in text:
-        return T("flatten")
-    return T("read_traceback")
+def hints(*causes: tuple[str | type[BaseException], Message]) -> Callable[[BaseException], Message]:
+    """A `hint_for`: the hint of the first cause that `exc` is (an exception class) or that its text contains, then
+    of the causes every exercise can meet (collectives misused, shapes lost), else "read the traceback"."""
+    def hint_for(exc: BaseException) -> Message:
+        for cause, hint in causes + _EVERY_EXERCISE:
+            if cause in str(exc) if isinstance(cause, str) else isinstance(exc, cause):
+                return hint
+        return T("read_traceback")
+    return hint_for
+
+
+_EVERY_EXERCISE = (("must divide by the world size", T("divisible")), (CollectiveMismatch, T("mismatch")),
+                   (CollectiveHang, T("skipped")), ("is invalid for input of size", T("gathered_padding")),
+                   ("post accumulate grad hooks should return None", T("hook_returns")),
+                   ("must have at least one dimension", T("flatten")))
+exception_hint = hints()  # the hint for the exceptions every exercise can meet
 
 
 def compare_tensor(expected: torch.Tensor, got: object, *, world_size: int, rank: int,
-                   padded_numel: int | None = None, rtol: float = 1e-5,
-                   atol: float = 1e-6) -> tuple[Message, Message, list[str]] | None:
+                   padded_numel: int | None = None) -> tuple[Message, Message, list[str]] | None:
     """None if `got` matches `expected`, else (problem, hint, detail lines) for a CheckFailure.
 
     The hints recognise the usual mistakes of a sharded collective: a result N times too small
@@ -301,30 +320,25 @@ def compare_tensor(expected: torch.Tensor, got: object, *, world_size: int, rank
     details = [f"expected {format_tensor(expected)}", f"got      {format_tensor(got)}"]
     if tuple(got.shape) != tuple(expected.shape):
         problem = T("shape_differs", rank=rank, got=tuple(got.shape), expected=tuple(expected.shape))
-        if padded_numel is not None and got.numel() == padded_numel != expected.numel():
-            hint = T("padding_left", numel=expected.numel())
-        elif padded_numel is not None and n > 1 and got.numel() == padded_numel // n:
-            hint = T("one_chunk")
-        elif got.numel() == expected.numel():
-            hint = T("reshape")
-        else:
-            hint = T("pad_and_cut")
-        return problem, hint, details
+        numel = expected.numel()
+        hint = known_mistake(got.numel(), [  # the padding left on, one chunk only, the shape lost
+            (padded_numel if padded_numel != numel else None, lambda: T("padding_left", numel=numel)),
+            (padded_numel // n if padded_numel is not None and n > 1 else None, lambda: T("one_chunk")),
+            (numel, lambda: T("reshape"))], first=True)
+        return problem, hint or T("pad_and_cut"), details
     if got.dtype != expected.dtype:
         return T("dtype_differs", rank=rank, got=got.dtype, expected=expected.dtype), T("keep_dtype"), details
     got_f, exp_f = got.detach().double(), expected.double()
-    if torch.allclose(got_f, exp_f, rtol=rtol, atol=atol):
+    if torch.allclose(got_f, exp_f, rtol=1e-5, atol=1e-6):
         return None
     diff = (got_f - exp_f).abs()
     index = int(diff.reshape(-1).argmax())
     details.append(f"max difference {diff.max().item():g} at flat index {index}")
-    hint = T("first_difference")
-    ratio = scale_ratio(got_f, exp_f)
-    if ratio is not None and n > 1 and abs(ratio * n - 1) < 1e-3:
-        hint = T("too_small", rank=rank, n=n)
-    elif ratio is not None and n > 1 and abs(ratio / n - 1) < 1e-3:
-        hint = T("too_large", rank=rank, n=n)
-    return T("values_differ", rank=rank), hint, details
+    hint = known_mistake(scale_ratio(got_f, exp_f), [  # averaged instead of summed, summed twice
+        (1 / n if n > 1 else None, lambda: T("too_small", rank=rank, n=n)),
+        (n if n > 1 else None, lambda: T("too_large", rank=rank, n=n)),
+    ], lambda c, v: c is not None and abs(c / v - 1) < 1e-3, first=True)
+    return T("values_differ", rank=rank), hint or T("first_difference"), details
 
 
 def scale_ratio(got: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-4) -> float | None:

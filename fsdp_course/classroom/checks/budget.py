@@ -20,8 +20,9 @@ from fsdp_course.classroom.checks._common import (
     known_mistake,
     require_callable,
     say,
+    say_passed,
 )
-from fsdp_course.classroom.checks._common import T as COMMON
+from fsdp_course.fsdp.flat_param import padded_numel
 from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.memory import (
     DEVICE,
@@ -49,16 +50,12 @@ WORLD_SIZES = (1, 2, 3, 4, 8)
 MiB = 2**20
 # the model the checkers run for real: MLP([64] * 5), four units of 4,160 parameters, 4 samples per rank
 RUN_SIZES = (64, 64, 64, 64, 64)
+RUN_UNITS = [a * b + b for a, b in zip(RUN_SIZES[:-1], RUN_SIZES[1:], strict=True)]  # one per Linear
 RUN_BATCH = 4
 RUN_ACTIVATIONS = 2 * (len(RUN_SIZES) - 1) * RUN_BATCH * 64 * 4  # each layer's input and ReLU output, fp32
 RUN_CAPACITY = 112 * 1024  # bytes per rank: ZeRO-3 fits from 4 ranks on, with offload from 1
 
 T = catalogue("budget")  # fsdp_course/i18n/catalogues/budget.yml
-
-
-def _run_psi() -> tuple[int, int]:
-    units = [a * b + b for a, b in zip(RUN_SIZES[:-1], RUN_SIZES[1:], strict=True)]
-    return sum(units), max(units)
 
 
 def _close(got: float, expected: float) -> bool:
@@ -164,7 +161,7 @@ def check_device_peak(fn: Callable[[int, int, int, bool, int], float]) -> None:
                 if not _close(got, expected):
                     CheckFailure(check, where, T("got_bytes", got=got, expected=expected),
                                  _device_hint(got, psi, n, stage, offload, unit)).fail()
-    psi, unit = _run_psi()
+    psi, unit = sum(RUN_UNITS), max(RUN_UNITS)
     rows = []
     for offload in (False, True):
         where = f"{name}({psi}, 2, 3, {offload}, {unit})"
@@ -176,8 +173,7 @@ def check_device_peak(fn: Callable[[int, int, int, bool, int], float]) -> None:
             CheckFailure(check, str(the_run), T("ran_out_budget", activations=RUN_ACTIVATIONS), T("prediction_low"),
                          [ran[0]["error"]]).fail()
         rows.append((the_run, offload, predicted, ran[0]))
-    say(COMMON("passed", check=check, what=T("against_run", sizes=", ".join(map(str, WORLD_SIZES)),
-                                              formula="budget_formula", real=2)))
+    say_passed(check, T("against_run", sizes=", ".join(map(str, WORLD_SIZES)), formula="budget_formula", real=2))
     for the_run, offload, predicted, ran0 in rows:
         say(T("peak", run=the_run, predicted=predicted, peak=ran0["peak_device"], label=ran0["peak_label"]),
             _peak_terms(psi, unit, 2, offload, ran0))
@@ -293,7 +289,7 @@ def check_smallest_world_size(fn: Callable[[int, int, float, int, bool], int | N
             CheckFailure(check, where, T("got_expected", got=raw, expected=expected),
                          _device_peak_blame(fn, psi, unit, stage, offload)
                          or _smallest_hint(got, psi, unit, capacity, stage, offload)).fail()
-    psi, unit = _run_psi()
+    psi, unit = sum(RUN_UNITS), max(RUN_UNITS)
     confirmed: dict[bool, Message] = {}
     sizes: set[int] = set()
     for offload in (False, True):
@@ -309,9 +305,9 @@ def check_smallest_world_size(fn: Callable[[int, int, float, int, bool], int | N
         sizes |= {int(n), int(n) - 1} - {0}
         confirmed[offload] = T("fits", n=n, below=T("runs_out", n=n - 1, category=below[0]["category"])
                                if below is not None else "")
-    say(COMMON("passed", check=check, what=T("against_run", sizes=f"1-{MAX_WORLD_SIZE}", formula="budget_formula",
-                                              real=", ".join(map(str, sorted(sizes))))),
-        T("run_budget", capacity=RUN_CAPACITY, plain=confirmed[False], offloaded=confirmed[True]))
+    say_passed(check, T("against_run", sizes=f"1-{MAX_WORLD_SIZE}", formula="budget_formula",
+                          real=", ".join(map(str, sorted(sizes)))),
+               T("run_budget", capacity=RUN_CAPACITY, plain=confirmed[False], offloaded=confirmed[True]))
 
 
 # -- bytes_sent ------------------------------------------------------------------------------------------------------
@@ -332,10 +328,9 @@ def check_bytes_sent(fn: Callable[[int, int, int], float]) -> None:
                 if not _close(got, expected):
                     CheckFailure(check, where, T("got_bytes", got=got, expected=expected),
                                  _traffic_hint(got, psi, n, stage)).fail()
-    psi_units = [a * b + b for a, b in zip(RUN_SIZES[:-1], RUN_SIZES[1:], strict=True)]
     rows = []
     for n in (2, 3):
-        padded = sum(-(-u // n) * n for u in psi_units)
+        padded = sum(padded_numel(u, n) for u in RUN_UNITS)
         sent = run_with_budget(n, False, 2**40, steps=1)[0]["sent"]
         asked = f"{name}({padded}, {n}, 3)"
         got = _number(check, asked, call_learner(check, name, fn, padded, n, 3, where=asked))
@@ -343,9 +338,8 @@ def check_bytes_sent(fn: Callable[[int, int, int], float]) -> None:
             CheckFailure(check, f"the run: ZeRO-3 on {n} ranks, {padded:,} padded parameters",
                          T("ledger_bytes", got=got, sent=sent), T("see_formula")).fail()
         rows.append(f"N = {n}: {sent:,.0f} B")  # data: the Chinese shows it as it is
-    say(COMMON("passed", check=check, what=T("against_ledger", sizes=", ".join(map(str, WORLD_SIZES)),
-                                              formula="traffic_formula", real="2, 3")),
-        T("bytes_rows", rows="; ".join(rows)))
+    say_passed(check, T("against_ledger", sizes=", ".join(map(str, WORLD_SIZES)), formula="traffic_formula",
+                        real="2, 3"), T("bytes_rows", rows="; ".join(rows)))
 
 
 def _traffic_hint(got: float, psi: int, n: int, stage: int) -> Message:
@@ -409,11 +403,10 @@ def check_comm_seconds(fn: Callable[[int, int, int, float, float], float]) -> No
         if not _close(got, expected):
             CheckFailure(check, where, T("got_seconds", got=got, expected=expected),
                          _comm_hint(got, psi, n, units, alpha, beta)).fail()
-    unit_numel = RUN_SIZES[0] * RUN_SIZES[1] + RUN_SIZES[1]
-    units = len(RUN_SIZES) - 1
+    units = len(RUN_UNITS)
     rows: Message | None = None
     for n in (2, 3):
-        padded = units * (-(-unit_numel // n) * n)
+        padded = sum(padded_numel(u, n) for u in RUN_UNITS)
         ran = run_with_budget(n, False, 2**40, steps=1)[0]
         steps, sent = (_number(check, f"{name}({padded}, {n}, {units}, {a}, {b})",
                                call_learner(check, name, fn, padded, n, units, a, b,
@@ -426,7 +419,5 @@ def check_comm_seconds(fn: Callable[[int, int, int, float, float], float]) -> No
         rows = (T("comm_row", n=n, collectives=ran["collectives"], ring_steps=ran["ring_steps"], sent=ran["sent"])
                 if rows is None else T("comm_row_after", before=rows, n=n, collectives=ran["collectives"],
                                        ring_steps=ran["ring_steps"], sent=ran["sent"]))
-    say(COMMON("passed", check=check, what=T("against_ledger",
-                                              sizes=", ".join(sorted({str(c[1]) for c in COMM_CASES}, key=int)),
-                                              formula="CostFit.predict", real="2, 3")),
-        T("comm_rows", rows=rows))
+    say_passed(check, T("against_ledger", sizes=", ".join(sorted({str(c[1]) for c in COMM_CASES}, key=int)),
+                          formula="CostFit.predict", real="2, 3"), T("comm_rows", rows=rows))

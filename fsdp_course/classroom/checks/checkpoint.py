@@ -24,14 +24,13 @@ from torch import nn
 from fsdp_course.classroom.checks._common import (
     CHECK_TIMEOUT,
     CheckFailure,
-    exception_hint,
+    hints,
     not_implemented,
     require_callable,
     require_world_sizes,
     run_checked,
-    say,
+    say_passed,
 )
-from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.launch import start_torchrun, torchrun_command
@@ -114,10 +113,6 @@ def _to_json(problems: list[Message]) -> list[list[Any]]:
     return [[p.id, dict(p.fields)] for p in problems]
 
 
-def _from_json(problems: list[list[Any]]) -> list[Message]:
-    return [Message(id_, fields) for id_, fields in problems]
-
-
 _SCRIPT = '''\
 import json, os, sys
 from pathlib import Path
@@ -144,12 +139,8 @@ ctx.close()
 '''
 
 
-def _load_hint(exc: BaseException) -> Message:
-    if isinstance(exc, FileNotFoundError):
-        return T("same_names")
-    if "weights_only" in str(exc) or "Unsupported global" in str(exc):
-        return T("plain_tensors")
-    return exception_hint(exc)
+_load_hint = hints((FileNotFoundError, T("same_names")), ("weights_only", T("plain_tensors")),
+                   ("Unsupported global", T("plain_tensors")))
 
 
 def check_sharded_checkpoint(save: Callable[[RankContext, dict[str, torch.Tensor], str], Any],
@@ -183,28 +174,26 @@ def check_sharded_checkpoint(save: Callable[[RankContext, dict[str, torch.Tensor
                 fsdp, opt = trained_fsdp(ctx)
                 state = rank_state(fsdp, opt)
                 torch.save(state, os.path.join(expected_dir, f"rank{ctx.rank}.pt"))
-                phase[ctx.rank] = f"{save_name}"
+                phase[ctx.rank] = save_name
                 ctx.ledger.clear()
                 save(ctx, {k: v.clone() for k, v in state.items()}, directory)
                 synced = bool(ctx.ledger.records)
                 ctx.barrier()  # the checker's own: every rank has returned from save before any rank loads
-                phase[ctx.rank] = f"{load_name}"
+                phase[ctx.rank] = load_name
                 got = load(ctx, directory)
                 return [synced, compare_states(got, state)]
 
             results = run_checked(check, save_name, body, n, lambda r, n=n, p=phase: f"world size {n}, rank {r} "
                                   f"(in {p[r]})", _load_hint)
             _check_results(check, n, results, directory)
+        passed = [T("passed_saved")]
         if max(world_sizes) >= 2:
             _check_wrong_world_size(check, load, load_name, tmp, max(world_sizes))
+            passed.append(T("passed_wrong_size", n=max(world_sizes), m=max(world_sizes) + 1))
         if torchrun:
             _check_torchrun(check, load, load_name, tmp)
-    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, world_sizes)))),
-        T("passed_saved"))
-    if max(world_sizes) >= 2:
-        say(T("passed_wrong_size", n=max(world_sizes), m=max(world_sizes) + 1))
-    if torchrun:
-        say(T("passed_torchrun", n=TORCHRUN_WORLD_SIZE))
+            passed.append(T("passed_torchrun", n=TORCHRUN_WORLD_SIZE))
+    say_passed(check, world_sizes, *passed)
 
 
 def _check_results(check: str, n: int, results: list[list[Any]], directory: str) -> None:
@@ -251,25 +240,21 @@ def _check_torchrun(check: str, load: Callable, load_name: str, tmp: str) -> Non
                                directory=os.path.join(tmp, f"ckpt_n{n}"), reports=reports_dir))
     proc = start_torchrun(torchrun_command(script, n), cwd=tmp, what=check)
     try:
-        proc.communicate(timeout=TORCHRUN_TIMEOUT)
+        _, stderr = proc.communicate(timeout=TORCHRUN_TIMEOUT)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
         CheckFailure(check, where, T("timeout", timeout=TORCHRUN_TIMEOUT), T("only_files", name=load_name)).fail()
-    reports = {}
     for rank in range(n):
         path = Path(reports_dir, f"rank{rank}.json")
-        if path.exists():
-            reports[rank] = json.loads(path.read_text())
-    for rank in range(n):
-        report = reports.get(rank)
-        if report is None:
+        if not path.exists():
             CheckFailure(check, where, T("reported_nothing", rank=rank, code=proc.returncode),
-                         T("fresh_process", name=load_name), proc.stderr.strip().splitlines()[-6:]).fail()
+                         T("fresh_process", name=load_name), stderr.strip().splitlines()[-6:]).fail()
+        report = json.loads(path.read_text())
         if "error" in report:
             CheckFailure(check, where, T("process_raised", rank=rank, error=report["error"]),
                          T("fresh_process_helper", name=load_name)).fail()
-        problems = _from_json(report["problems"])
+        problems = [Message(id_, fields) for id_, fields in report["problems"]]
         if problems:
             CheckFailure(check, where, T("process_differs", rank=rank, problem=problems[0]), T("read_back_exactly"),
                          [str(p) for p in problems[1:6]]).fail()

@@ -19,10 +19,10 @@ from fsdp_course.classroom.checks._common import (
     exception_hint,
     format_tensor,
     known_mistake,
-    require_callable,
-    require_world_sizes,
+    require_learner,
     run_checked,
     say,
+    say_passed,
 )
 from fsdp_course.classroom.checks._common import T as shared
 from fsdp_course.fsdp.flat_param import padded_numel
@@ -57,6 +57,36 @@ def _cut_short(exc: BaseException) -> Message | None:
     return T("cut_short", got=got, need=need) if got < need else None
 
 
+Ran = tuple[Any, list[Record], list[tuple[str, int, int]], bool]  # result, ledger, sends and recvs, input changed
+
+
+def _run_shapes(check: str, name: str, fn: Callable[..., Any], n: int, shapes: tuple[tuple[int, ...], ...],
+                inputs: dict[tuple[int, tuple[int, ...]], list[torch.Tensor]], hint: Callable[[BaseException], Message],
+                watch_p2p: bool = False) -> list[list[Ran]]:
+    """`fn(ctx, tensor)` on `n` ranks for each shape in turn: per shape, every rank's `Ran` (`watch_p2p`: its sends
+    and recvs logged and waited for under the referee)."""
+    current = [shapes[0]] * n  # the case each rank is in
+
+    def body(ctx: RankContext) -> list[Ran]:
+        out, group = [], ctx.group
+        try:
+            for shape in shapes:
+                current[ctx.rank] = shape
+                ctx.ledger.clear()
+                log: list[tuple[str, int, int]] = []
+                if watch_p2p:
+                    ctx.group = _RecordingGroup(group, log, ctx)
+                given = inputs[n, shape][ctx.rank].clone()
+                result = fn(ctx, given)
+                out.append((result, list(ctx.ledger.records), log, not torch.equal(given, inputs[n, shape][ctx.rank])))
+        finally:
+            ctx.group = group
+        return out
+
+    per_rank = run_checked(check, name, body, n, lambda r: f"world size {n}, input shape {current[r]}", hint)
+    return [[per_rank[r][i] for r in range(n)] for i in range(len(shapes))]
+
+
 def _all_reduce_hint(exc: BaseException) -> Message:
     if isinstance(exc, CollectiveMismatch):
         return T("mismatch")
@@ -74,37 +104,16 @@ def check_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor],
     reshaping ones. The caller's tensor must be left unchanged.
     """
     check = "check_all_reduce"
-    name = require_callable(check, fn, "my_all_reduce")
-    sizes = require_world_sizes(world_sizes)
+    name, sizes = require_learner(check, fn, "my_all_reduce", world_sizes)
 
     inputs = {(n, shape): _all_reduce_inputs(n, shape) for n in sizes for shape in ALL_REDUCE_SHAPES}
-    outputs: dict[tuple[int, tuple[int, ...]], list[tuple[Any, list[Record], bool]]] = {}
-    for n in sizes:
-        current: list[tuple[int, ...]] = [ALL_REDUCE_SHAPES[0]] * n  # the case each rank is in
-
-        def body(ctx: RankContext, n: int = n, current: list = current) -> list[tuple[Any, list[Record], bool]]:
-            out = []
-            for shape in ALL_REDUCE_SHAPES:
-                current[ctx.rank] = shape
-                ctx.ledger.clear()
-                given = inputs[n, shape][ctx.rank].clone()
-                result = fn(ctx, given)
-                out.append((result, list(ctx.ledger.records), not torch.equal(given, inputs[n, shape][ctx.rank])))
-            return out
-
-        def where(rank: int, n: int = n, current: list = current) -> str:
-            return f"world size {n}, input shape {current[rank]}"
-
-        per_rank = run_checked(check, name, body, n, where, _all_reduce_hint)
-        for i, shape in enumerate(ALL_REDUCE_SHAPES):
-            outputs[n, shape] = [per_rank[r][i] for r in range(n)]
-
+    outputs = {(n, shape): results for n in sizes for shape, results in zip(
+        ALL_REDUCE_SHAPES, _run_shapes(check, name, fn, n, ALL_REDUCE_SHAPES, inputs, _all_reduce_hint), strict=True)}
     for shape in ALL_REDUCE_SHAPES:
         for n in sizes:
             _check_one_all_reduce(check, n, shape, inputs[n, shape], outputs[n, shape])
 
-    say(shared("passed", check=check, what=shared("world_sizes", sizes=", ".join(map(str, sizes)))),
-        T("exact_sum", shapes=", ".join(map(str, ALL_REDUCE_SHAPES))), T("rs_ag_calls"))
+    say_passed(check, sizes, T("exact_sum", shapes=", ".join(map(str, ALL_REDUCE_SHAPES))), T("rs_ag_calls"))
     n, shape = max(sizes), (13,)
     if n > 1:
         records = outputs[n, shape][0][1]
@@ -116,14 +125,14 @@ def check_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor],
 
 
 def _check_one_all_reduce(check: str, n: int, shape: tuple[int, ...], inputs: list[torch.Tensor],
-                          outputs: list[tuple[Any, list[Record], bool]]) -> None:
+                          outputs: list[Ran]) -> None:
     expected = torch.stack(inputs).sum(0)
     padded = padded_numel(expected.numel(), n)
     where = f"world size {n}, input shape {shape}"
-    for rank, (got, records, modified) in enumerate(outputs):
+    for rank, (got, records, _, modified) in enumerate(outputs):
         _check_values(check, where, n, rank, inputs, expected, got, padded)
         if modified:
-            _input_modified(check, where, rank)
+            CheckFailure(check, where, T("input_modified", rank=rank), T("work_on_copy")).fail()
         ops = [r.op for r in records]
         if "all_reduce" in ops:
             CheckFailure(check, where, T("called_all_reduce", rank=rank, ops=", ".join(ops)),
@@ -187,9 +196,9 @@ def _ring_hint(exc: BaseException) -> Message:
         return T("deadlock")
     if "ended without posting the matching send or recv" in text:
         return T("unmatched")
-    if "Timed out waiting" in text or "timed out" in text.lower():
+    if "timed out" in text.lower():
         return T("timed_out")
-    if "must be contiguous" in text or "contiguous" in text:
+    if "contiguous" in text:
         return T("contiguous")
     return _cut_short(exc) or exception_hint(exc)
 
@@ -204,38 +213,14 @@ def check_ring_all_reduce(fn: Callable[[RankContext, torch.Tensor], torch.Tensor
     all-reduce. The caller's tensor must be left unchanged.
     """
     check = "check_ring_all_reduce"
-    name = require_callable(check, fn, "ring_all_reduce")
-    sizes = require_world_sizes(world_sizes)
+    name, sizes = require_learner(check, fn, "ring_all_reduce", world_sizes)
     inputs = {(n, shape): _all_reduce_inputs(n, shape) for n in sizes for shape in RING_SHAPES}
     for n in sizes:
-        current: list[tuple[int, ...]] = [RING_SHAPES[0]] * n
+        for shape, ran in zip(RING_SHAPES, _run_shapes(check, name, fn, n, RING_SHAPES, inputs, _ring_hint, True),
+                              strict=True):
+            _check_one_ring(check, n, shape, inputs[n, shape], ran)
 
-        def body(ctx: RankContext, n: int = n, current: list = current) -> list[tuple[Any, list, list[str], bool]]:
-            out = []
-            group = ctx.group
-            try:
-                for shape in RING_SHAPES:
-                    current[ctx.rank] = shape
-                    ctx.ledger.clear()
-                    log: list[tuple[str, int, int]] = []
-                    ctx.group = _RecordingGroup(group, log, ctx)
-                    given = inputs[n, shape][ctx.rank].clone()
-                    result = fn(ctx, given)
-                    out.append((result, log, [r.op for r in ctx.ledger.records],
-                                not torch.equal(given, inputs[n, shape][ctx.rank])))
-            finally:
-                ctx.group = group
-            return out
-
-        def where(rank: int, n: int = n, current: list = current) -> str:
-            return f"world size {n}, input shape {current[rank]}"
-
-        per_rank = run_checked(check, name, body, n, where, _ring_hint)
-        for i, shape in enumerate(RING_SHAPES):
-            _check_one_ring(check, n, shape, inputs[n, shape], [per_rank[r][i] for r in range(n)])
-
-    say(shared("passed", check=check, what=shared("world_sizes", sizes=", ".join(map(str, sizes)))),
-        T("exact_sum", shapes=", ".join(map(str, RING_SHAPES))), T("ring_only"))
+    say_passed(check, sizes, T("exact_sum", shapes=", ".join(map(str, RING_SHAPES))), T("ring_only"))
     n = max(sizes)
     if n > 1:
         padded = padded_numel(13, n)
@@ -286,12 +271,13 @@ def _ring_mistake(inputs: list[torch.Tensor], n: int, rank: int, got: Any) -> Me
 
 
 def _check_one_ring(check: str, n: int, shape: tuple[int, ...], inputs: list[torch.Tensor],
-                    outputs: list[tuple[Any, list[tuple[str, int, int]], list[str], bool]]) -> None:
+                    outputs: list[Ran]) -> None:
     expected = torch.stack(inputs).sum(0)
     padded = padded_numel(expected.numel(), n)
     chunk = padded // n
     where = f"world size {n}, input shape {shape}"
-    for rank, (got, log, ops, modified) in enumerate(outputs):
+    for rank, (got, records, log, modified) in enumerate(outputs):
+        ops = [r.op for r in records]
         if ops:
             CheckFailure(check, where, T("called_collectives", rank=rank, ops=", ".join(ops)),
                          T("only_send_recv")).fail()
@@ -306,24 +292,17 @@ def _check_one_ring(check: str, n: int, shape: tuple[int, ...], inputs: list[tor
         sent = sum(k for _, k in sends)
         if len(sends) != 2 * (n - 1) or sent != 2 * (n - 1) * chunk:
             expect = f"2(N-1) = {2 * (n - 1)} sends of one chunk of {chunk} elements ({2 * (n - 1) * chunk} in all)"
-            hint = T("ring_steps")
-            if any(k != chunk for _, k in sends):
-                hint = T("one_chunk_per_step")
-            elif len(sends) < 2 * (n - 1):
-                hint = T("too_few")
+            hint = (T("one_chunk_per_step") if any(k != chunk for _, k in sends)
+                    else T("too_few") if len(sends) < 2 * (n - 1) else T("ring_steps"))
             CheckFailure(check, where, T("send_count", rank=rank, sends=len(sends), sent=sent, recvs=len(recvs)),
                          hint, [f"expected {expect}"]).fail()
         _check_values(check, where, n, rank, inputs, expected, got, padded,
                       lambda rank=rank, got=got: _ring_mistake(inputs, n, rank, got))
         if modified:
-            _input_modified(check, where, rank)
+            CheckFailure(check, where, T("input_modified", rank=rank), T("work_on_copy")).fail()
 
 
 # -- shared by both: the values, chunk by chunk, and the caller's input ------------------------------
-def _input_modified(check: str, where: str, rank: int) -> None:
-    CheckFailure(check, where, T("input_modified", rank=rank), T("work_on_copy")).fail()
-
-
 def _check_values(check: str, where: str, n: int, rank: int, inputs: list[torch.Tensor], expected: torch.Tensor,
                   got: Any, padded: int, known: Callable[[], Message | None] | None = None) -> None:
     """Fail unless `got` is the sum; `known()`: the hint of a known mistake that `got` is, which names it best."""

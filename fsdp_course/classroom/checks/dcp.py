@@ -14,15 +14,13 @@ from fsdp_course.classroom.checks._common import (
     CheckFailure,
     call_learner,
     format_tensor,
-    require_callable,
-    require_world_sizes,
-    say,
+    require_learner,
+    say_passed,
 )
-from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.fsdp.flat_param import FlatParamLayout, flatten_params
 from fsdp_course.i18n.messages import Message, catalogue
 
-__all__ = ["UNITS", "check_dim0_chunks", "reference_chunks"]
+__all__ = ["UNITS", "check_dim0_chunks"]
 
 # Units of parameters (name, shape): first dimensions of 17, 7, 3, 5, 2 rows, divisible by none of 2 to 5 (2 by 2)
 UNITS: dict[str, list[tuple[str, tuple[int, ...]]]] = {
@@ -31,15 +29,6 @@ UNITS: dict[str, list[tuple[str, tuple[int, ...]]]] = {
 }
 
 T = catalogue("dcp")  # fsdp_course/i18n/catalogues/dcp.yml
-
-
-def reference_chunks(named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int) -> list[torch.Tensor]:
-    """torch.chunk's `rank`-th chunk of each tensor on dim 0, empty where torch.chunk gives fewer chunks."""
-    out = []
-    for _, t in named:
-        chunks = torch.chunk(t, world_size, dim=0)
-        out.append(chunks[rank].clone() if rank < len(chunks) else t[:0].clone())
-    return out
 
 
 def _unit(shapes: list[tuple[str, tuple[int, ...]]], seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -51,9 +40,10 @@ def _unit(shapes: list[tuple[str, tuple[int, ...]]], seed: int) -> list[tuple[st
 
 def check_dim0_chunks(fn: Callable[..., Any], world_sizes: Sequence[int] = (1, 2, 3, 4, 5)) -> None:
     """Check `fn(layout, flat, rank, world_size) -> list of tensors`: rank `rank`'s dim-0 chunk of every parameter."""
+    from fsdp_course.fsdp.dcp import dim0_chunks  # torch.chunk's rows (tests/test_dcp.py); imports torch's DCP
+
     check = "check_dim0_chunks"
-    name = require_callable(check, fn, "dim0_chunks")
-    sizes = require_world_sizes(world_sizes)
+    name, sizes = require_learner(check, fn, "dim0_chunks", world_sizes)
     for seed, (unit, shapes) in enumerate(UNITS.items()):
         named = _unit(shapes, seed)
         for n in sizes:
@@ -63,9 +53,8 @@ def check_dim0_chunks(fn: Callable[..., Any], world_sizes: Sequence[int] = (1, 2
                 given = flat.clone()  # (padded_numel,) the gathered flat parameter, the learner's own copy
                 got = call_learner(check, name, fn, layout, given, rank, n, where=where,
                                    hint_for=lambda exc, layout=layout, rank=rank, n=n: _hint_for(exc, layout, rank, n))
-                _judge(check, where, layout, given, got, reference_chunks(named, rank, n), rank, n)
-    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
-        T("passed", units=len(UNITS)))
+                _judge(check, where, layout, given, got, dim0_chunks(layout, flat, rank, n), rank, n)
+    say_passed(check, sizes, T("passed", units=len(UNITS)))
 
 
 def _hint_for(exc: BaseException, layout: FlatParamLayout, rank: int, n: int) -> Message:
@@ -110,7 +99,7 @@ def _judge(check: str, where: str, layout: FlatParamLayout, flat: torch.Tensor, 
         if tuple(g.shape) != tuple(e.shape):
             if g.dim() == 1 and len(info.shape) > 1 and g.numel() == e.numel():
                 hint = T("keep_rows", rows=e.shape[0])
-            elif tuple(g.shape[1:]) == tuple(e.shape[1:]) and g.shape[0] == info.shape[0] // n:
+            elif tuple(g.shape) == (info.shape[0] // n, *e.shape[1:]):
                 hint = T("ceil_rows", d0=info.shape[0], n=n, rows=rows)
             elif tuple(g.shape[1:]) == tuple(e.shape[1:]):
                 hint = T("row_range", rows=rows)

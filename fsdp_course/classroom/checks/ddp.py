@@ -18,14 +18,15 @@ from fsdp_course.classroom.checks._common import (
     CheckFailure,
     Message,
     exception_hint,
+    factor_mistake,
     format_tensor,
+    known_mistake,
     require_callable,
+    require_learner,
     require_world_sizes,
     run_checked,
-    say,
-    scale_ratio,
+    say_passed,
 )
-from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import (
     close,
     global_batches,
@@ -53,15 +54,12 @@ def _rank_models(world_size: int) -> list[nn.Module]:
 def _broadcast_problem(rank: int, name: str, got: torch.Tensor, models: list[nn.Module]) -> tuple[Message, Message]:
     """(problem, hint) for a parameter that does not hold rank 0's initial values after the broadcast."""
     originals = [dict(m.named_parameters())[name].detach() for m in models]
+    hint = known_mistake(got, [(originals[rank], lambda: T("own_values", rank=rank, name=name)),
+                               *((o, lambda k=k: T("other_rank", rank=rank, name=name, k=k))
+                                 for k, o in enumerate(originals) if k),
+                               (torch.stack(originals).mean(0), lambda: T("averaged"))], close, first=True)
     problem = T("not_broadcast", rank=rank, name=name, diff=float((got - originals[0]).abs().max()))
-    if close(got, originals[rank]):
-        return problem, T("own_values", rank=rank, name=name)
-    for k, original in enumerate(originals):
-        if k and close(got, original):
-            return problem, T("other_rank", rank=rank, name=name, k=k)
-    if close(got, torch.stack(originals).mean(0)):
-        return problem, T("averaged")
-    return problem, T("broadcast")
+    return problem, hint or T("broadcast")
 
 
 def _run_broadcast(check: str, name: str, fn: Callable[[RankContext, nn.Module], Any], n: int) -> None:
@@ -96,12 +94,10 @@ def check_broadcast_parameters(fn: Callable[[RankContext, nn.Module], Any],
     Every rank starts from a different random Linear(6, 5) -> Tanh -> Linear(5, 3).
     """
     check = "check_broadcast_parameters"
-    name = require_callable(check, fn, "broadcast_parameters")
-    sizes = require_world_sizes(world_sizes)
+    name, sizes = require_learner(check, fn, "broadcast_parameters", world_sizes)
     for n in sizes:
         _run_broadcast(check, name, fn, n)
-    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
-        T("broadcast_passed"))
+    say_passed(check, sizes, T("broadcast_passed"))
 
 
 def check_ddp(broadcast_parameters: Callable[[RankContext, nn.Module], Any],
@@ -154,8 +150,7 @@ def check_ddp(broadcast_parameters: Callable[[RankContext, nn.Module], Any],
             for rank, (_, steps) in enumerate(per_rank):
                 grads, params = steps[step - 1]
                 _compare_step(check, n, rank, step, grads, params, reference[step - 1], base, batches)
-    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
-        T("ddp_passed", steps=STEPS, batch=GLOBAL_BATCH))
+    say_passed(check, sizes, T("ddp_passed", steps=STEPS, batch=GLOBAL_BATCH))
 
 
 def _compare_step(check: str, n: int, rank: int, step: int, grads: dict[str, torch.Tensor | None],
@@ -169,17 +164,13 @@ def _compare_step(check: str, n: int, rank: int, step: int, grads: dict[str, tor
             continue
         details = [f"one process {format_tensor(expected, 8)}", f"rank {rank}    {format_tensor(got, 8)}",
                    f"max difference {max_rel_diff(got, expected):.3g} relative to the largest value"]
-        c = scale_ratio(got, expected, rtol=1e-3)
-        hint = T("one_process")
-        if c is not None and n > 1 and abs(c / n - 1) < 1e-3:
-            hint = T("summed", rank=rank, n=n)
-        elif c is not None and n > 1 and abs(c * n - 1) < 1e-3:
-            hint = T("averaged_twice", rank=rank, n=n)
-        elif step == 1 and n > 1:  # the gradient of this rank's slice alone: one process on that slice
+        hint = factor_mistake(got, expected, [(n, lambda: T("summed", rank=rank, n=n)),
+                                              (1 / n, lambda: T("averaged_twice", rank=rank, n=n))])
+        if hint is None and step == 1 and n > 1:  # the gradient of this rank's slice alone: one process on that slice
             alone = one_process(base, [local_slice(batches[0], rank, n)], functools.partial(torch.optim.SGD, lr=LR))
             if close(got, alone.steps(base)[0].grads[pname]):
                 hint = T("own_slice", rank=rank)
-        CheckFailure(check, where, T("grad_differs", rank=rank, name=pname), hint, details).fail()
+        CheckFailure(check, where, T("grad_differs", rank=rank, name=pname), hint or T("one_process"), details).fail()
     for pname, expected in ref.params.items():
         got = params[pname]
         if not close(got, expected):

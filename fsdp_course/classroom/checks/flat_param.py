@@ -17,9 +17,8 @@ from fsdp_course.classroom.checks._common import (
     format_tensor,
     require_callable,
     run_checked,
-    say,
+    say_passed,
 )
-from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.fsdp.flat_param import FlatParamLayout
 from fsdp_course.i18n.messages import catalogue
 from fsdp_course.runtime.context import RankContext
@@ -76,8 +75,7 @@ def check_flat_param(flatten_with_padding: Callable[[list[torch.Tensor], int], t
         _check_round_trip(check, flatten_with_padding, shard_range, unflatten_views, n)
     n = 3
     layout = _layout(SHAPE_CASES[1], n)
-    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, WORLD_SIZES)))),
-        T("passed_layout", cases=len(SHAPE_CASES)),
+    say_passed(check, WORLD_SIZES, T("passed_layout", cases=len(SHAPE_CASES)),
         T("passed_gather", sizes=", ".join(map(str, GATHER_WORLD_SIZES))),
         T("passed_example", shapes=", ".join(map(str, SHAPE_CASES[1])), n=n, numel=layout.numel,
           padded=layout.padded_numel, shards=", ".join(str(layout.shard_range(r)) for r in range(n))))

@@ -17,14 +17,12 @@ from torch import nn
 from fsdp_course.classroom.checks._common import (
     CheckFailure,
     exception_hint,
+    factor_mistake,
     format_tensor,
-    require_callable,
-    require_world_sizes,
+    require_learner,
     run_checked,
-    say,
-    scale_ratio,
+    say_passed,
 )
-from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import (
     close,
     global_batches,
@@ -64,10 +62,6 @@ def _unit_hint(exc: BaseException) -> Message:
     return exception_hint(exc)
 
 
-def _reference_chunks(model: nn.Module, n: int) -> list[FlatParamLayout]:
-    return [FlatParamLayout.build(list(model[i].named_parameters()), n) for i in UNIT_INDICES]
-
-
 def check_fsdp_unit(unit_class: Callable[[nn.Module, RankContext], Any],
                     world_sizes: Sequence[int] = (1, 2, 3, 4)) -> None:
     """Check `unit_class(module, ctx)`: three units over an MLP train exactly like one process.
@@ -79,8 +73,7 @@ def check_fsdp_unit(unit_class: Callable[[nn.Module, RankContext], Any],
     `unit.full` holds no memory, and no `full.grad` is left.
     """
     check = "check_fsdp_unit"
-    name = require_callable(check, unit_class, "FSDPUnit")
-    sizes = require_world_sizes(world_sizes)
+    name, sizes = require_learner(check, unit_class, "FSDPUnit", world_sizes)
     model = seeded_mlp(SIZES, seed=11)
     batches = global_batches(STEPS, GLOBAL_BATCH, SIZES[0], SIZES[-1], seed=12)
     reference = one_process(model, batches, functools.partial(torch.optim.SGD, lr=LR)).steps(model)
@@ -89,7 +82,6 @@ def check_fsdp_unit(unit_class: Callable[[nn.Module, RankContext], Any],
 
         def body(ctx: RankContext, n: int = n, state: list = state) -> list[Any]:
             m = copy.deepcopy(model)
-            state[ctx.rank] = (0, "building the units")
             units = [unit_class(m[i], ctx) for i in UNIT_INDICES]
             freed_after_forward: list[tuple[int, int]] = []  # (unit, bytes still held)
             last_views: list[Any] = [None] * len(units)  # each unit's module.weight in its previous forward
@@ -129,13 +121,12 @@ def check_fsdp_unit(unit_class: Callable[[nn.Module, RankContext], Any],
             return f"world size {n}, rank {r}, step {state[r][0]} ({state[r][1]})"
 
         per_rank = run_checked(check, name, body, n, where, _unit_hint)
-        layouts = _reference_chunks(model, n)
+        layouts = [FlatParamLayout.build(list(model[i].named_parameters()), n) for i in UNIT_INDICES]
         for step in range(STEPS):
             for rank in range(n):
                 _compare(check, n, rank, step + 1, per_rank[rank][step], reference[step], layouts)
-    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
-        T("passed_steps", sizes="->".join(map(str, SIZES)), steps=STEPS, batch=GLOBAL_BATCH),
-        T("passed_accumulate", step=ACCUMULATE_STEP), T("passed_freed"))
+    say_passed(check, sizes, T("passed_steps", sizes="->".join(map(str, SIZES)), steps=STEPS, batch=GLOBAL_BATCH),
+               T("passed_accumulate", step=ACCUMULATE_STEP), T("passed_freed"))
 
 
 def _compare(check: str, n: int, rank: int, step: int, record: Any, ref: Any, layouts: list[FlatParamLayout]) -> None:
@@ -165,17 +156,12 @@ def _compare(check: str, n: int, rank: int, step: int, record: Any, ref: Any, la
             CheckFailure(check, where, T("shard_grad_shape", k=k, shape=tuple(got.shape)),
                          T("reduce_full", numel=layout.shard_numel), details).fail()
         if not close(got, expected):
-            c = scale_ratio(got, expected, rtol=1e-3)
-            hint = T("averaged_chunk")
-            if c is not None and step == ACCUMULATE_STEP and abs(c * 2 - 1) < 1e-3:  # step 1 was right
-                hint = T("half", rank=rank)
-            elif c is not None and n > 1 and abs(c / n - 1) < 1e-3:
-                hint = T("too_large", rank=rank, n=n)
-            elif c is not None and n > 1 and abs(c * n - 1) < 1e-3:
-                hint = T("too_small", rank=rank, n=n)
-
+            hint = factor_mistake(got, expected, [(0.5 if step == ACCUMULATE_STEP else None,  # step 1 was right
+                                                   lambda: T("half", rank=rank)),
+                                                  (n, lambda: T("too_large", rank=rank, n=n)),
+                                                  (1 / n, lambda: T("too_small", rank=rank, n=n))])
             details.append(f"max difference {max_rel_diff(got, expected):.3g} relative to the largest value")
-            CheckFailure(check, where, T("chunk_differs", k=k), hint, details).fail()
+            CheckFailure(check, where, T("chunk_differs", k=k), hint or T("averaged_chunk"), details).fail()
         expected_shard = layout.shard(layout.flatten([ref.params[f"{UNIT_INDICES[k]}.{i.name}"] for i in infos]), rank)
         if not close(shards[k], expected_shard):
             CheckFailure(check, where, T("shard_differs", k=k), T("step_shard"),

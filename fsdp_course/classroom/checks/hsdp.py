@@ -14,12 +14,12 @@ from fsdp_course.classroom.checks._common import (
     CheckFailure,
     exception_hint,
     format_tensor,
+    padded_flat_grads,
     require_callable,
     run_checked,
-    say,
+    say_passed,
 )
-from fsdp_course.classroom.checks._common import T as COMMON
-from fsdp_course.fsdp.flat_param import padded_numel
+from fsdp_course.engines.equivalence import norm_rel_diff
 from fsdp_course.i18n.messages import catalogue
 from fsdp_course.runtime.context import RankContext
 
@@ -36,16 +36,7 @@ T = catalogue("hsdp")  # fsdp_course/i18n/catalogues/hsdp.yml
 def hsdp_grads(replicate: int, shard: int) -> list[torch.Tensor]:
     """Every rank's unsharded flat gradient (padded to a multiple of `shard`, zeros in the padding)."""
     g = torch.Generator().manual_seed(SEED + 100 * replicate + shard)
-    out = []
-    for _ in range(replicate * shard):
-        full = torch.zeros(padded_numel(NUMEL, shard))
-        full[:NUMEL] = torch.randn(NUMEL, generator=g)
-        out.append(full)
-    return out
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+    return padded_flat_grads([NUMEL] * (replicate * shard), shard, lambda numel: torch.randn(numel, generator=g))[0]
 
 
 def check_hsdp_grad(fn: Callable[[Any, torch.Tensor], torch.Tensor],
@@ -73,7 +64,7 @@ def check_hsdp_grad(fn: Callable[[Any, torch.Tensor], torch.Tensor],
         _judge(check, replicate, shard, grads, results)
     shapes = ", ".join(f"{r}x{s}" for r, s in meshes)
     what = T("meshes", sizes=", ".join(str(r * s) for r, s in meshes), shapes=shapes)
-    say(COMMON("passed", check=check, what=what), T("passed"))
+    say_passed(check, what, T("passed"))
 
 
 def _judge(check: str, replicate: int, shard: int, grads: list[torch.Tensor], results: list[dict[str, Any]]) -> None:
@@ -84,28 +75,25 @@ def _judge(check: str, replicate: int, shard: int, grads: list[torch.Tensor], re
     mesh_where = f"mesh replicate={replicate}, shard={shard}"
     for rank, res in enumerate(results):  # which collective ran in which group
         where = f"{mesh_where}, rank {rank}"
-        world, rows, columns = res["world"], res["shard"], res["replicate"]
-        scatter_in = (T("world") if any(op == "reduce_scatter" for op, _ in world) else
-                      "mesh.replicate" if any(op == "reduce_scatter" for op, _ in columns) else None)
-        reduce_in = (T("world") if any(op == "all_reduce" for op, _ in world) else
-                     "mesh.shard" if any(op == "all_reduce" for op, _ in rows) else None)
+        world, rows, columns = ([op for op, _ in res[group]] for group in ("world", "shard", "replicate"))
+        scatter_in = (T("world") if "reduce_scatter" in world else
+                      "mesh.replicate" if "reduce_scatter" in columns else None)
+        reduce_in = T("world") if "all_reduce" in world else "mesh.shard" if "all_reduce" in rows else None
         if scatter_in and reduce_in:
             swapped = T("swapped") if (scatter_in, reduce_in) == ("mesh.replicate", "mesh.shard") else ""
             CheckFailure(check, where, T("both_wrong", swapped=swapped, scatter_in=scatter_in, reduce_in=reduce_in),
                          T("order")).fail()
-        if any(op == "all_reduce" for op, _ in world):
+        if "all_reduce" in world:
             CheckFailure(check, where, T("all_reduce_world"), T("across_replicate")).fail()
         if world:
-            ops = ", ".join(op for op, _ in world)
-            CheckFailure(check, where, T("ran_over_world", ops=ops), T("order_short")).fail()
-        if any(op == "all_reduce" for op, _ in rows):
+            CheckFailure(check, where, T("ran_over_world", ops=", ".join(world)), T("order_short")).fail()
+        if "all_reduce" in rows:
             CheckFailure(check, where, T("all_reduce_shard"), T("across_replicate")).fail()
-        if any(op == "reduce_scatter" for op, _ in columns):
+        if "reduce_scatter" in columns:
             CheckFailure(check, where, T("scatter_replicate"), T("scatter_in_shard")).fail()
-        if [op for op, _ in rows] != ["reduce_scatter"]:
-            ops = [op for op, _ in rows] or T("nothing")
-            CheckFailure(check, where, T("shard_group_ran", ops=ops), T("shard_reduce_scatter")).fail()
-        big = [b for op, b in columns if op == "all_reduce" and b != shard_bytes]
+        if rows != ["reduce_scatter"]:
+            CheckFailure(check, where, T("shard_group_ran", ops=rows or T("nothing")), T("shard_reduce_scatter")).fail()
+        big = [b for op, b in res["replicate"] if op == "all_reduce" and b != shard_bytes]
         if big and replicate > 1:
             CheckFailure(check, where, T("whole_gradient", got=big[0], shard=shard_bytes,
                                          factor=big[0] // shard_bytes), T("scatter_first")).fail()
@@ -129,13 +117,11 @@ def _judge(check: str, replicate: int, shard: int, grads: list[torch.Tensor], re
     for rank, res in enumerate(results):
         where = f"{mesh_where}, rank {rank}"
         got, want = res["out"], expected[rank % shard]
-        if _rel(got, want) <= TOL:
+        if norm_rel_diff(got, want) <= TOL:
             continue
         details = [f"expected {format_tensor(want, 6)}", f"got      {format_tensor(got, 6)}"]
-        factors = {n: T("all_summed", n=n)}  # the first factor that explains the result names the mistake
-        factors.setdefault(replicate, T("replicas_summed", n=replicate))
-        factors.setdefault(shard, T("shards_summed", n=shard))
-        for factor, problem in factors.items():
-            if factor > 1 and _rel(got, factor * want) <= TOL:
+        for factor, problem in ((n, T("all_summed", n=n)), (replicate, T("replicas_summed", n=replicate)),
+                                (shard, T("shards_summed", n=shard))):  # the first that explains the result
+            if norm_rel_diff(got, factor * want) <= TOL:  # (a factor 1 cannot: got differs from want)
                 CheckFailure(check, where, problem, T("mean_of_slices"), details).fail()
-        CheckFailure(check, where, T("differs", n=n, rel=_rel(got, want)), T("path"), details).fail()
+        CheckFailure(check, where, T("differs", n=n, rel=norm_rel_diff(got, want)), T("path"), details).fail()

@@ -19,9 +19,8 @@ from fsdp_course.classroom.checks._common import (
     call_learner,
     format_tensor,
     known_mistake,
-    require_callable,
-    require_world_sizes,
-    say,
+    require_learner,
+    say_passed,
 )
 from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import ADAMW, Case, Trainee, check_equivalence, digits_batches
@@ -145,15 +144,12 @@ def _with_values(module: nn.Module, base: nn.Linear, name: str) -> None:
         return
     update, unscaled = (got - base(x)).detach(), F.linear(F.linear(x, a), b).detach()
     ratio = (update.norm() / unscaled.norm()).item() if unscaled.norm() > 0 else float("nan")
-    if abs(ratio - 1) < 1e-4:
-        hint = T("not_scaled", alpha=ALPHA, rank=RANK, scaling=ALPHA / RANK)
-    elif abs(ratio - ALPHA) < 1e-4:
-        hint = T("scaled_by_alpha", scaling=ALPHA / RANK, alpha=ALPHA)
-    elif abs(ratio - RANK / ALPHA) < 1e-4:
-        or_rank = T("or_one_over_rank") if abs(1 / RANK - RANK / ALPHA) < 1e-9 else ""
-        hint = T("inverted", inverse=RANK / ALPHA, or_rank=or_rank, scaling=ALPHA / RANK)
-    else:
-        hint = T("formula")
+    or_rank = T("or_one_over_rank") if abs(1 / RANK - RANK / ALPHA) < 1e-9 else ""
+    hint = known_mistake(ratio, [  # the update's scale: none, alpha, rank / alpha
+        (1.0, lambda: T("not_scaled", alpha=ALPHA, rank=RANK, scaling=ALPHA / RANK)),
+        (ALPHA, lambda: T("scaled_by_alpha", scaling=ALPHA / RANK, alpha=ALPHA)),
+        (RANK / ALPHA, lambda: T("inverted", inverse=RANK / ALPHA, or_rank=or_rank, scaling=ALPHA / RANK)),
+    ], lambda a, b: abs(a - b) < 1e-4, first=True) or T("formula")
     _fail(where, T("differs_formula"), hint,
           [f"expected {format_tensor(expected)}", f"got      {format_tensor(got)}"])
 
@@ -227,8 +223,7 @@ def check_lora_linear(cls: Callable[..., nn.Module], world_sizes: Sequence[int] 
     """Check the learner's `LoRALinear(base, rank, alpha)` (see the module docstring), then fine-tune a tiny
     Transformer adapted with it under FSDP on each of `world_sizes` ranks against one process."""
     check = "check_lora_linear"
-    name = require_callable(check, cls, "LoRALinear")
-    sizes = require_world_sizes(world_sizes)
+    name, sizes = require_learner(check, cls, "LoRALinear", world_sizes)
     base = _linear()
     values = {n: p.detach().clone() for n, p in base.named_parameters()}
     module = call_learner(check, name, cls, base, RANK, ALPHA,
@@ -239,8 +234,7 @@ def check_lora_linear(cls: Callable[..., nn.Module], world_sizes: Sequence[int] 
     _with_values(module, base, name)
     _gradients(module, base, name)
     _under_fsdp(cls, sizes)
-    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
-        T("passed"))
+    say_passed(check, sizes, T("passed"))
 
 
 KEPT = ("sharded_params", "sharded_grads", "optimizer")
@@ -271,22 +265,6 @@ def _kept_bytes(units: Units, world_size: int, *, grads_of_frozen: bool = False,
             + 4 * step * (len(trainable) + (len(frozen) if step_of_frozen else 0))}
 
 
-def _unpadded(category: str, short: float, n: int) -> Message:
-    return T("kept_unpadded", category=category, short=short, n=n)
-
-
-KEPT_MISTAKES: list[tuple[dict[str, Any], Callable[[str, float, int], Message]]] = [  # the mistake as _kept_bytes'
-    ({"frozen_params": False}, lambda category, short, n: T("kept_frozen_left_out")),  # keywords, and its hint
-    ({"sharded": False}, lambda category, short, n: T("kept_whole")),
-    *[({"pieces": pieces}, _unpadded) for pieces in ("exact", "floor", "total")],
-    ({"grads_of_frozen": True}, lambda category, short, n: T("kept_frozen_grad")),
-    ({"state_of_frozen": True}, lambda category, short, n: T("kept_frozen_state")),
-    ({"state_of_frozen": True, "step_of_frozen": True}, lambda category, short, n: T("kept_frozen_state")),
-    ({"moments": 1}, lambda category, short, n: T("kept_one_moment")),
-    ({"step": False}, lambda category, short, n: T("kept_no_step", short=short)),
-]
-
-
 def _judge_kept(where: str, got: Any, units: Units, n: int) -> None:
     if not isinstance(got, dict):
         _fail(where, T("kept_not_dict", shown=type(got).__name__), T("kept_return"), check=KEPT_CHECK)
@@ -299,18 +277,23 @@ def _judge_kept(where: str, got: Any, units: Units, n: int) -> None:
             _fail(where, T("kept_not_number", category=category, shown=repr(got[category])), T("kept_return"),
                   check=KEPT_CHECK)
     expected = _kept_bytes(units, n)
-    for category in KEPT:
-        value = got[category]
-        if value == expected[category]:
-            continue
-        problem = T("kept_differs", category=category, expected=int(expected[category]), got=value)
-        gap = expected[category] - value
-        short = int(gap) if gap == int(gap) else round(gap, 1)
-        named = known_mistake(value, [(_kept_bytes(units, n, **keywords)[category],
-                                       lambda hint=hint, c=category, s=short: hint(c, s, n))
-                                      for keywords, hint in KEPT_MISTAKES], first=True)
-        fallback = T("kept_round") if value != int(value) else T("kept_recount")
-        _fail(where, problem, named or fallback, check=KEPT_CHECK)
+    category = next((c for c in KEPT if got[c] != expected[c]), None)
+    if category is None:
+        return
+    value, gap = got[category], expected[category] - got[category]
+    short = int(gap) if gap == int(gap) else round(gap, 1)
+    named = known_mistake(value, [(_kept_bytes(units, n, **keywords)[category], hint) for keywords, hint in (
+        ({"frozen_params": False}, lambda: T("kept_frozen_left_out")),  # the mistake as _kept_bytes' keywords
+        ({"sharded": False}, lambda: T("kept_whole")),
+        *[({"pieces": pieces}, lambda: T("kept_unpadded", category=category, short=short, n=n))
+          for pieces in ("exact", "floor", "total")],
+        ({"grads_of_frozen": True}, lambda: T("kept_frozen_grad")),
+        ({"state_of_frozen": True}, lambda: T("kept_frozen_state")),
+        ({"state_of_frozen": True, "step_of_frozen": True}, lambda: T("kept_frozen_state")),
+        ({"moments": 1}, lambda: T("kept_one_moment")),
+        ({"step": False}, lambda: T("kept_no_step", short=short)))], first=True)
+    _fail(where, T("kept_differs", category=category, expected=int(expected[category]), got=value),
+          named or (T("kept_round") if value != int(value) else T("kept_recount")), check=KEPT_CHECK)
 
 
 def _measured_kept(n: int) -> list[tuple[Units, dict[str, int]]]:
@@ -336,8 +319,7 @@ def check_kept_bytes(fn: Callable[..., Any], world_sizes: Sequence[int] = (2, 3)
     after an AdamW step in fp32 under FSDP, each unit's flat parameters given as (numel, trainable). Made-up layouts at
     1 to 3 ranks first (each known mistake named), then the bytes measured on every rank of a LoRA fine-tuning step."""
     check = KEPT_CHECK
-    name = require_callable(check, fn, "kept_bytes")
-    sizes = require_world_sizes(world_sizes)
+    name, sizes = require_learner(check, fn, "kept_bytes", world_sizes)
     for units, n in KEPT_CASES:
         where = f"{name}({units}, {n})"
         _judge_kept(where, call_learner(check, name, fn, copy.deepcopy(units), n, where=where), units, n)
@@ -354,5 +336,5 @@ def check_kept_bytes(fn: Callable[..., Any], world_sizes: Sequence[int] = (2, 3)
             if n == sizes[0] and rank == 0:  # full fine-tuning: one trainable flat parameter per unit
                 lora = sum(measured.values())
                 full = int(sum(_kept_bytes({u: [(sum(k for k, _ in h), True)] for u, h in units.items()}, n).values()))
-    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
-        T("kept_passed", cases=len(KEPT_CASES), sizes=", ".join(map(str, sizes)), n=sizes[0], lora=lora, full=full))
+    say_passed(check, sizes, T("kept_passed", cases=len(KEPT_CASES), sizes=", ".join(map(str, sizes)), n=sizes[0],
+                               lora=lora, full=full))

@@ -20,9 +20,8 @@ from fsdp_course.classroom.checks._common import (
     call_learner,
     known_mistake,
     require_callable,
-    say,
+    say_passed,
 )
-from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import global_batches, local_slice, seeded_mlp
 from fsdp_course.i18n.messages import catalogue
 from fsdp_course.memory import SHARDED_FROM_STAGE, measure, zero_formula
@@ -58,15 +57,9 @@ def measure_stages(world_size: int) -> dict[int, dict[str, int]]:
         out = {}
         for stage in range(4):
             m = copy.deepcopy(model)
-            if stage == 0:
-                engine: Any = DDP(m, ctx)
-                opt: Any = adam(list(engine.parameters()))
-            elif stage in (1, 2):
-                engine = (ZeRO1 if stage == 1 else ZeRO2)(m, ctx, adam)
-                opt = None  # the engine lists its own optimizer's state
-            else:
-                engine = FSDP(m, ctx)
-                opt = adam(list(engine.parameters()))
+            engine: Any = ((ZeRO1 if stage == 1 else ZeRO2)(m, ctx, adam) if stage in (1, 2) else
+                           (DDP if stage == 0 else FSDP)(m, ctx))
+            opt = None if stage in (1, 2) else adam(list(engine.parameters()))  # ZeRO-1/2: their own
             F.cross_entropy(engine(x), y).backward()
             (opt or engine).step()
             snap = measure(engine, opt)
@@ -128,8 +121,7 @@ def check_zero_memory(fn: Callable[[int, int, int], dict[str, float]]) -> None:
                 measured=", ".join(map(str, MEASURE_WORLD_SIZES)))
     table = "\n".join(f"    {stage_name:<12} {n:>2} {formula:>15,.0f} {measured_total:>11,}"
                       for stage_name, n, formula, measured_total in rows)
-    say(COMMON("passed", check=check, what=against), T("measured_after", numel=numel), T("table", rows=table),
-        T("step_counters"))
+    say_passed(check, against, T("measured_after", numel=numel), T("table", rows=table), T("step_counters"))
 
 
 def _compare(check: str, where: str, got: Any, expected: dict[str, float], stage: int, n: int) -> None:

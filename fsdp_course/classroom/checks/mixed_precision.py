@@ -14,16 +14,15 @@ import torch
 from fsdp_course.classroom.checks._common import (
     CheckFailure,
     call_learner,
-    exception_hint,
     format_tensor,
+    hints,
     padded_flat_grads,
     require_callable,
-    require_world_sizes,
+    require_learner,
     run_checked,
-    say,
+    say_passed,
     scale_ratio,
 )
-from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import close, max_rel_diff
 from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.runtime.context import RankContext
@@ -74,12 +73,8 @@ def _as_bool(check: str, where: str, rank: int, value: Any) -> bool:
                  T("true_or_false")).fail()
 
 
-def _hint_for(exc: BaseException) -> Message:
-    if isinstance(exc, (CollectiveMismatch, CollectiveHang)):
-        return T("all_reduce_under_if")
-    if "op must be one of" in str(exc):
-        return T("flag_max")
-    return exception_hint(exc)
+_hint_for = hints((CollectiveMismatch, T("all_reduce_under_if")), (CollectiveHang, T("all_reduce_under_if")),
+                  ("op must be one of", T("flag_max")))
 
 
 def check_found_inf(fn: Callable[[RankContext, list[torch.Tensor], float], Any],
@@ -92,8 +87,7 @@ def check_found_inf(fn: Callable[[RankContext, list[torch.Tensor], float], Any],
     on the last rank only, every rank returns True.
     """
     check = "check_found_inf"
-    name = require_callable(check, fn, "unscale_and_check")
-    sizes = require_world_sizes(world_sizes)
+    name, sizes = require_learner(check, fn, "unscale_and_check", world_sizes)
     for case, plant in CASES:
         for n in sizes:
             fulls, shards = _inputs(n, plant)
@@ -110,17 +104,17 @@ def check_found_inf(fn: Callable[[RankContext, list[torch.Tensor], float], Any],
             _judge_flags(check, where, n, plant, flags, expected)
             for rank, (_, got) in enumerate(per_rank):  # unscaled in place whatever was found, as torch's kernel
                 _compare_shards(check, f"{where}, rank {rank}", n, rank, got, shards[rank], reference, found=expected)
-    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
-        T("found_inf_passed"))
+    say_passed(check, sizes, T("found_inf_passed"))
 
 
 def _judge_flags(check: str, where: str, n: int, plant: str | None, flags: list[bool], expected: bool) -> None:
     if len(set(flags)) > 1:
         stepped = [r for r, f in enumerate(flags) if not f]
         skipped = [r for r, f in enumerate(flags) if f]
-        a, b = stepped[0], skipped[0]
-        CheckFailure(check, where, T("disagree", stepped=_who("stepped", stepped), skipped=_who("skipped", skipped)),
-                     T("decision_local", a=a, b=b), [f"returned, by rank: {flags}"]).fail()
+        who_stepped = T("stepped_many" if len(stepped) > 1 else "stepped_one", ranks=", ".join(map(str, stepped)))
+        who_skipped = T("skipped_many" if len(skipped) > 1 else "skipped_one", ranks=", ".join(map(str, skipped)))
+        CheckFailure(check, where, T("disagree", stepped=who_stepped, skipped=who_skipped),
+                     T("decision_local", a=stepped[0], b=skipped[0]), [f"returned, by rank: {flags}"]).fail()
     got = flags[0]
     if got == expected:
         return
@@ -136,14 +130,6 @@ def _judge_flags(check: str, where: str, n: int, plant: str | None, flags: list[
         hint = T("every_shard")
     found = T("found_some") if expected else T("found_none")
     CheckFailure(check, where, T("every_rank_returned", got=got, found=found, expected=expected), hint).fail()
-
-
-def _who(returned: str, ranks: list[int]) -> Message:
-    """"rank 0 returned False", "ranks 1, 2 True": `returned` is "stepped" or "skipped"."""
-    shown, many = ", ".join(map(str, ranks)), len(ranks) > 1
-    if returned == "stepped":
-        return T("stepped_many" if many else "stepped_one", ranks=shown)
-    return T("skipped_many" if many else "skipped_one", ranks=shown)
 
 
 def _compare_shards(check: str, where: str, n: int, rank: int, got: list[torch.Tensor],
@@ -207,8 +193,7 @@ def check_update_scale(fn: Callable[[float, bool, int, int], Any], init_scale: f
                          [f"the steps so far (found_inf, scale after): {history}"] if history else []).fail()
         scale, clean = expected
         history.append((found, scale))
-    say(COMMON("passed", check=check, what=T("update_steps", steps=len(SEQUENCE))),
-        T("update_passed", growth=GROWTH_INTERVAL))
+    say_passed(check, T("update_steps", steps=len(SEQUENCE)), T("update_passed", growth=GROWTH_INTERVAL))
 
 
 def _update_hint(scale: float, found: bool, clean: int, got: tuple[float, Any],

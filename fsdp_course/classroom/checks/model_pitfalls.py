@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from fsdp_course.classroom.checks._common import (
     CheckFailure,
@@ -17,9 +16,8 @@ from fsdp_course.classroom.checks._common import (
     exception_hint,
     format_tensor,
     require_callable,
-    say,
+    say_passed,
 )
-from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.models import TransformerClassifier, TransformerConfig
 
@@ -71,6 +69,7 @@ def _forward_hint(exc: BaseException) -> Message:
     return exception_hint(exc)
 
 
+@torch.no_grad()
 def check_forward_logits(fn: Callable[[TransformerClassifier, torch.Tensor], Any]) -> None:
     """Check `fn(model, tokens) -> logits`: `(B, T)` long ids to `(B, classes)` float logits, layer by layer.
 
@@ -81,28 +80,21 @@ def check_forward_logits(fn: Callable[[TransformerClassifier, torch.Tensor], Any
     name = require_callable(check, fn, "forward_logits")
     model = checker_model()
     called_model = []
-    handle = model.register_forward_pre_hook(lambda module, args: called_model.append(True))
-    try:
-        for batch, seq in CASES:
-            tokens = _tokens(batch, seq, model.config.vocab_size)
-            where = f"tokens of shape (batch {batch}, seq {seq}), {model.config.num_classes} classes"
-            with torch.no_grad():
-                expected = model(tokens)
-            called_model.clear()
-            given = tokens.clone()
-            with torch.no_grad():
-                got = call_learner(check, name, fn, model, given, where=where, hint_for=_forward_hint)
-            if called_model:
-                CheckFailure(check, where, T("called_model", name=name), T("use_layers")).fail()
-            if given.dtype != tokens.dtype or not torch.equal(given, tokens):
-                changed = (T("turned_into", dtype=given.dtype) if given.dtype != tokens.dtype
-                           else T("changed_values"))
-                CheckFailure(check, where, T("changed_tokens", name=name, changed=changed), T("leave_ids")).fail()
-            _compare_logits(check, where, model, tokens, expected, got)
-    finally:
-        handle.remove()
-    say(COMMON("passed", check=check, what=T("logits_cases", cases=", ".join(f"({b}, {t})" for b, t in CASES))),
-        T("logits_passed"))
+    model.register_forward_pre_hook(lambda module, args: called_model.append(True))  # the model is this call's own
+    for batch, seq in CASES:
+        tokens = _tokens(batch, seq, model.config.vocab_size)
+        where = f"tokens of shape (batch {batch}, seq {seq}), {model.config.num_classes} classes"
+        expected = model(tokens)
+        called_model.clear()
+        given = tokens.clone()
+        got = call_learner(check, name, fn, model, given, where=where, hint_for=_forward_hint)
+        if called_model:
+            CheckFailure(check, where, T("called_model", name=name), T("use_layers")).fail()
+        if given.dtype != tokens.dtype or not torch.equal(given, tokens):
+            changed = T("turned_into", dtype=given.dtype) if given.dtype != tokens.dtype else T("changed_values")
+            CheckFailure(check, where, T("changed_tokens", name=name, changed=changed), T("leave_ids")).fail()
+        _compare_logits(check, where, model, tokens, expected, got)
+    say_passed(check, T("logits_cases", cases=", ".join(f"({b}, {t})" for b, t in CASES)), T("logits_passed"))
 
 
 def _compare_logits(check: str, where: str, model: TransformerClassifier, tokens: torch.Tensor,
@@ -117,10 +109,9 @@ def _compare_logits(check: str, where: str, model: TransformerClassifier, tokens
                      details).fail()
     if tuple(got.shape) == tuple(expected.shape) and torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
         return
-    with torch.no_grad():
-        for logits, problem, hint in wrong_paths(model, tokens):
-            if logits.shape == got.shape and torch.allclose(got, logits, rtol=1e-4, atol=1e-5):
-                CheckFailure(check, where, problem, hint, details).fail()
+    for logits, problem, hint in wrong_paths(model, tokens):  # (under check_forward_logits's no_grad)
+        if logits.shape == got.shape and torch.allclose(got, logits, rtol=1e-4, atol=1e-5):
+            CheckFailure(check, where, problem, hint, details).fail()
     if tuple(got.shape) != tuple(expected.shape):
         problem = T("logits_shape", got=tuple(got.shape), expected=tuple(expected.shape))
         hint = T("class_scores")
@@ -134,8 +125,8 @@ def check_make_samples(fn: Callable[[int, int, int, torch.Generator], Any]) -> N
     """Check `fn(n, seq, vocab, generator) -> (inputs, labels)`: n different random samples, each labelled by its ids.
 
     inputs: `(n, seq)` long ids in [0, vocab), drawn from `generator` (the same seed gives the same data, another
-    seed other data); labels: `(n,)` long, `inputs.sum(1) % 10`. Then one step of `F.cross_entropy` on a model's
-    logits for them must run.
+    seed other data); labels: `(n,)` long, `inputs.sum(1) % 10` (what `F.cross_entropy` takes with `(n, classes)`
+    logits: pitfall 5.2).
     """
     check = "check_make_samples"
     name = require_callable(check, fn, "make_samples")
@@ -172,8 +163,5 @@ def check_make_samples(fn: Callable[[int, int, int, torch.Generator], Any]) -> N
     other = call_learner(check, name, fn, n, seq, vocab, torch.Generator().manual_seed(2), where=where)
     if not torch.equal(again[0], inputs) or torch.equal(other[0], inputs):
         CheckFailure(check, where, T("seeds"), T("from_generator")).fail()
-    model = checker_model()
-    loss = F.cross_entropy(model(inputs), labels)  # the pitfall 5.2 pairing: (n, classes) logits, (n,) targets
-    assert torch.isfinite(loss)
-    say(COMMON("passed", check=check, what=T("samples_cases", n=n, seq=seq, vocab=vocab)),
-        T("samples_passed", distinct=len(inputs.unique(dim=0)), n=n, labels=len(labels.unique())))
+    say_passed(check, T("samples_cases", n=n, seq=seq, vocab=vocab),
+               T("samples_passed", distinct=len(inputs.unique(dim=0)), n=n, labels=len(labels.unique())))

@@ -19,11 +19,10 @@ from fsdp_course.classroom.checks._common import (
     exception_hint,
     format_tensor,
     require_callable,
-    require_world_sizes,
+    require_learner,
     run_checked,
-    say,
+    say_passed,
 )
-from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import close, max_rel_diff
 from fsdp_course.fsdp.flat_param import FlatParamLayout
 from fsdp_course.fsdp.param_group import Span
@@ -227,15 +226,13 @@ def check_forward_prefetch(fn: Callable[..., Any], world_sizes: Sequence[int] = 
     """Check `fn(ctx, shards, compute, x) -> output`: the units run in order, each unit's all-gather issued before
     the previous unit computes and waited for just before use; the output equals one process's."""
     check = "check_forward_prefetch"
-    name = require_callable(check, fn, "forward_prefetch")
-    sizes = require_world_sizes(world_sizes)
+    name, sizes = require_learner(check, fn, "forward_prefetch", world_sizes)
     for n in sizes:
         chain = _Chain(n)
         reference = chain.reference()
         for rank, run in enumerate(_run(check, name, fn, chain)):
             _judge(check, chain, n, rank, run, reference)
-    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
-        T("passed", units=len(WIDTHS) - 1))
+    say_passed(check, sizes, T("passed", units=len(WIDTHS) - 1))
 
 
 def _judge(check: str, chain: _Chain, n: int, rank: int, run: ForwardRun, reference: torch.Tensor) -> None:

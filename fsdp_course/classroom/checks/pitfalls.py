@@ -17,15 +17,16 @@ import torch.nn.functional as F
 from fsdp_course.classroom.checks._common import (
     CheckFailure,
     exception_hint,
+    factor_mistake,
     format_tensor,
+    hints,
+    known_mistake,
     padded_flat_grads,
-    require_callable,
-    require_world_sizes,
+    require_learner,
     run_checked,
-    say,
+    say_passed,
     scale_ratio,
 )
-from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.engines.equivalence import (
     close,
     global_batches,
@@ -34,7 +35,7 @@ from fsdp_course.engines.equivalence import (
     one_process,
     seeded_mlp,
 )
-from fsdp_course.i18n.messages import Message, catalogue
+from fsdp_course.i18n.messages import catalogue
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.monitor import CollectiveHang, CollectiveMismatch
 
@@ -64,8 +65,7 @@ def check_clip_grad_norm(fn: Callable[[RankContext, list[torch.Tensor], float], 
     (clipping) and 1e6 (no clipping).
     """
     check = "check_clip_grad_norm"
-    name = require_callable(check, fn, "clip_grad_norm_sharded")
-    sizes = require_world_sizes(world_sizes)
+    name, sizes = require_learner(check, fn, "clip_grad_norm_sharded", world_sizes)
     for case, max_norm in CLIP_CASES:
         for n in sizes:
             fulls, shards = _clip_inputs(n)
@@ -84,8 +84,7 @@ def check_clip_grad_norm(fn: Callable[[RankContext, list[torch.Tensor], float], 
                                    exception_hint)
             for rank, (norm, clipped) in enumerate(per_rank):
                 _compare_clip(check, n, case, max_norm, rank, norm, clipped, total, reference, shards)
-    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
-        T("clip_passed"))
+    say_passed(check, sizes, T("clip_passed"))
 
 
 def _compare_clip(check: str, n: int, case: str, max_norm: float, rank: int, norm: Any, clipped: list,
@@ -95,19 +94,14 @@ def _compare_clip(check: str, n: int, case: str, max_norm: float, rank: int, nor
         norm = float(norm)
     if isinstance(norm, bool) or not isinstance(norm, (int, float)):
         CheckFailure(check, where, T("not_norm", kind=type(norm).__name__), T("return_norm")).fail()
-    own = math.sqrt(sum(float(s.pow(2).sum()) for s in shards[rank]))
-    if abs(norm - total) > 1e-5 * total:
-        summed = sum(math.sqrt(sum(float(s.pow(2).sum()) for s in shards[r])) for r in range(n))
-        problem = T("wrong_norm", rank=rank, norm=norm, total=total)
-        if n > 1 and abs(norm - own) <= 1e-5 * own:
-            hint = T("own_norm", norm=norm, rank=rank)
-        elif n > 1 and abs(norm - summed) <= 1e-5 * summed:
-            hint = T("norms_add")
-        elif n > 1 and abs(norm * math.sqrt(n) - total) <= 1e-5 * total:
-            hint = T("sqrt_mean")
-        else:
-            hint = T("norm_formula")
-        CheckFailure(check, where, problem, hint).fail()
+    norms = [math.sqrt(sum(float(s.pow(2).sum()) for s in mine)) for mine in shards]  # each rank's own norm
+    own = norms[rank]
+    if abs(norm - total) > 1e-5 * total:  # (at N = 1 no mistake below can give another norm than the total)
+        hint = known_mistake(norm, [(own, lambda: T("own_norm", norm=norm, rank=rank)),
+                                    (sum(norms), lambda: T("norms_add")),
+                                    (total / math.sqrt(n), lambda: T("sqrt_mean"))],
+                             lambda a, b: abs(a - b) <= 1e-5 * b, first=True)
+        CheckFailure(check, where, T("wrong_norm", rank=rank, norm=norm, total=total), hint or T("norm_formula")).fail()
     for i, (got, full) in enumerate(zip(clipped, reference, strict=True)):
         expected = full.chunk(n)[rank]
         if close(got, expected):
@@ -129,10 +123,7 @@ def _compare_clip(check: str, n: int, case: str, max_norm: float, rank: int, nor
 # -- the debugging exercise ------------------------------------------------------------------------
 
 
-def _step_hint(exc: BaseException) -> Message:
-    if isinstance(exc, (CollectiveMismatch, CollectiveHang)):
-        return T("collective_on_rank0")
-    return exception_hint(exc)
+_step_hint = hints((CollectiveMismatch, T("collective_on_rank0")), (CollectiveHang, T("collective_on_rank0")))
 
 
 def check_train_step(fn: Callable[[RankContext, Any, torch.optim.Optimizer, torch.Tensor, torch.Tensor], Any],
@@ -145,8 +136,7 @@ def check_train_step(fn: Callable[[RankContext, Any, torch.optim.Optimizer, torc
     Compared with one process on the whole batches: the returned loss and the parameters, per step.
     """
     check = "check_train_step"
-    name = require_callable(check, fn, "train_step")
-    sizes = require_world_sizes(world_sizes)
+    name, sizes = require_learner(check, fn, "train_step", world_sizes)
     model = seeded_mlp(STEP_SIZES, seed=31)
     batches = global_batches(STEP_STEPS, STEP_BATCH, STEP_SIZES[0], STEP_SIZES[-1], seed=32)
     reference = one_process(model, batches, functools.partial(torch.optim.SGD, lr=STEP_LR)).steps(model)
@@ -173,8 +163,7 @@ def check_train_step(fn: Callable[[RankContext, Any, torch.optim.Optimizer, torc
             for rank in range(n):
                 loss, params, local_loss = per_rank[rank][step]
                 _compare_step(check, n, rank, step + 1, loss, params, local_loss, reference[step], before)
-    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
-        T("step_passed", steps=STEP_STEPS, batch=STEP_BATCH))
+    say_passed(check, sizes, T("step_passed", steps=STEP_STEPS, batch=STEP_BATCH))
 
 
 def _compare_step(check: str, n: int, rank: int, step: int, loss: Any, params: dict, local_loss: float,
@@ -185,15 +174,10 @@ def _compare_step(check: str, n: int, rank: int, step: int, loss: Any, params: d
         if close(got, expected):
             continue
         start = before[pname].detach()
-        c = scale_ratio(got - start, expected - start, rtol=1e-3)
-        hint = T("average_then_step")
-        if c is not None and n > 1 and abs(c / n - 1) < 1e-3:
-            hint = T("grads_summed", n=n)
-        elif c is not None and abs(c - 1 / n) < 1e-3 and n > 1:
-            hint = T("averaged_twice", n=n)
-        elif c is not None and abs(c - 2) < 1e-3:
-            hint = T("stepped_twice")
-        CheckFailure(check, where, T("param_differs", rank=rank, pname=pname), hint,
+        hint = factor_mistake(got - start, expected - start, [(n, lambda: T("grads_summed", n=n)),
+                                                              (1 / n, lambda: T("averaged_twice", n=n)),
+                                                              (2, lambda: T("stepped_twice"))])
+        CheckFailure(check, where, T("param_differs", rank=rank, pname=pname), hint or T("average_then_step"),
                      [f"expected {format_tensor(expected, 8)}", f"got      {format_tensor(got, 8)}",
                       f"max difference {max_rel_diff(got, expected):.3g} relative"]).fail()
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:

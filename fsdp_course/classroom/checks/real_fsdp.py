@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_course.classroom.checks._common import CheckFailure, exception_hint, require_callable, say
+from fsdp_course.classroom.checks._common import CheckFailure, hints, require_callable, say_passed
 from fsdp_course.classroom.checks._common import T as COMMON
-from fsdp_course.i18n.messages import Message, catalogue
+from fsdp_course.i18n.messages import catalogue
 from fsdp_course.runtime.context import RankContext
 from fsdp_course.runtime.launch import start_torchrun, torchrun_command
 
@@ -91,7 +91,7 @@ def _unit_name(model: nn.Module, module: nn.Module) -> str:
     return next((name for name, m in model.named_modules() if m is module), type(module).__name__)
 
 
-def _structure(check: str, name: str, fn: Callable[..., Any]) -> dict[str, Any]:
+def _structure(check: str, name: str, fn: Callable[..., Any]) -> list[str]:
     """Run `fn` on the model with `fully_shard` replaced by a recorder that shards nothing: in the learner's namespace
     and as `torch.distributed.fsdp.fully_shard`. A function that reaches fully_shard another way records nothing
     (then the torchrun run judges it)."""
@@ -125,7 +125,7 @@ def _structure(check: str, name: str, fn: Callable[..., Any]) -> dict[str, Any]:
         torch_fsdp.fully_shard = real
         if patched:
             namespace["fully_shard"] = real
-    return {"calls": calls, "recorded": bool(calls), "units": list(dict.fromkeys(calls))}
+    return calls
 
 
 def check_fully_shard_units(fn: Callable[[nn.Module, Any], Any]) -> None:
@@ -141,14 +141,10 @@ def _check(fn: Callable[[nn.Module, Any], Any], launch: Callable[[str, Callable,
     check = "check_fully_shard_units"
     name = require_callable(check, fn, "shard_like_course")
     where = "fully_shard's calls, recorded in this process"
-    report = _structure(check, name, fn)
-    if report["recorded"]:  # else (fully_shard under another name) torchrun's run tells
-        _judge_structure(check, where, report)
-    _verdict(check, launch(check, fn, name))
-
-
-def _verdict(check: str, runs: list[dict[str, Any]]) -> None:
-    """Judge what every torchrun process reported (`run_in_process`), then print what passed."""
+    calls = _structure(check, name, fn)
+    if calls:  # else (fully_shard under another name) torchrun's run tells
+        _judge_structure(check, where, calls)
+    runs = launch(check, fn, name)  # what every torchrun process reported (`run_in_process`)
     _judge_run(check, runs)
     ours = course_losses()
     theirs = [sum(r["losses"][s] for r in runs) / len(runs) for s in range(STEPS)]
@@ -160,7 +156,7 @@ def _verdict(check: str, runs: list[dict[str, Any]]) -> None:
                      T("exact_units"),
                      [f"losses, fully_shard: {[round(v, 6) for v in theirs]}",
                       f"losses, course FSDP: {[round(v, 6) for v in ours]}"]).fail()
-    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=WORLD_SIZE)),
+    say_passed(check, [WORLD_SIZE],
         T("passed", units=", ".join(EXPECTED_UNITS), states=runs[0]["units"], gathers=runs[0]["all_gathers"] // STEPS,
           scatters=runs[0]["reduce_scatters"] // STEPS),
         T("losses", tol=TOL),
@@ -169,17 +165,13 @@ def _verdict(check: str, runs: list[dict[str, Any]]) -> None:
           for step, (a, b, gap) in enumerate(zip(theirs, ours, gaps, strict=True))))
 
 
-def _hint(exc: BaseException) -> Message:
-    if isinstance(exc, NameError) or "is not defined" in str(exc):
-        return T("import_inside")
-    if "Invariant encountered" in str(exc):
-        return T("layers_first")
-    return exception_hint(exc)
+_hint = hints((NameError, T("import_inside")), ("is not defined", T("import_inside")),
+              ("Invariant encountered", T("layers_first")))
 
 
-def _judge_structure(check: str, where: str, report: dict[str, Any]) -> None:
-    calls, units = report["calls"], report["units"]
-    if report["recorded"] and "root" in calls and calls.index("root") < len(calls) - 1:
+def _judge_structure(check: str, where: str, calls: list[str]) -> None:
+    units = list(dict.fromkeys(calls))
+    if "root" in calls and calls.index("root") < len(calls) - 1:
         CheckFailure(check, where, T("root_first", calls=calls, after=", ".join(calls[calls.index("root") + 1:])),
                      T("bottom_up")).fail()
     if "root" not in units:

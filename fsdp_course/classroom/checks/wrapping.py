@@ -16,19 +16,20 @@ from torch import nn
 from fsdp_course.classroom.checks._common import (
     CheckFailure,
     call_learner,
-    exception_hint,
+    hints,
     require_callable,
+    require_learner,
     require_world_sizes,
     run_checked,
-    say,
+    say_passed,
 )
-from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.fsdp import FSDP
 from fsdp_course.fsdp.flat_param import padded_numel
 from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.memory import attach, zero_formula
 from fsdp_course.models import TransformerClassifier, TransformerConfig, count_parameters
 from fsdp_course.runtime.context import RankContext
+from fsdp_course.runtime.simulate import run_ranks
 
 __all__ = ["PEAK_BOUND", "POLICIES", "check_predicted_peak", "check_unit_numels", "exercise_model",
            "fsdp_unit_numels", "measure_peak"]
@@ -60,21 +61,14 @@ def exercise_model() -> TransformerClassifier:
 
 def fsdp_unit_numels(model: nn.Module, wrap: set[type[nn.Module]] | None, world_size: int) -> dict[str, int]:
     """What `FSDP(model, ctx, wrap=wrap).unit_numels()` reports on `world_size` simulated ranks (rank 0's)."""
-    from fsdp_course.runtime.simulate import run_ranks
-
     return run_ranks(lambda ctx: FSDP(copy.deepcopy(model), ctx, wrap=wrap).unit_numels(), world_size)[0]
-
-
-def _describe(numels: dict[str, int]) -> str:
-    return "{" + ", ".join(f"{k!r}: {v}" for k, v in numels.items()) + "}"
 
 
 def check_unit_numels(fn: Callable[[nn.Module, Any, int], dict[str, int]],
                       world_sizes: Sequence[int] = (1, 2, 3)) -> None:
     """Check `fn(model, wrap, world_size) -> {unit name: padded numel}` against the course's FSDP."""
     check = "check_unit_numels"
-    name = require_callable(check, fn, "unit_numels")
-    sizes = require_world_sizes(world_sizes)
+    name, sizes = require_learner(check, fn, "unit_numels", world_sizes)
     model = exercise_model()
     for n in sizes:
         for label, wrap in POLICIES.items():
@@ -82,14 +76,12 @@ def check_unit_numels(fn: Callable[[nn.Module, Any, int], dict[str, int]],
             expected = fsdp_unit_numels(model, wrap, n)
             got = call_learner(check, name, fn, copy.deepcopy(model), copy.copy(wrap), n, where=where)
             _judge_units(check, where, model, n, expected, got)
-    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
-        T("numels_passed", policies=len(POLICIES)))
+    say_passed(check, sizes, T("numels_passed", policies=len(POLICIES)))
 
 
 def _judge_units(check: str, where: str, model: nn.Module, n: int, expected: dict[str, int], got: Any) -> None:
     def fail(problem: Message, hint: Message) -> None:
-        shown = _describe(got) if isinstance(got, dict) else repr(got)
-        CheckFailure(check, where, problem, hint, [f"expected {_describe(expected)}", f"got      {shown}"]).fail()
+        CheckFailure(check, where, problem, hint, [f"expected {expected}", f"got      {got!r}"]).fail()
 
     if not isinstance(got, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
                                             for k, v in got.items()):
@@ -112,17 +104,14 @@ def _judge_units(check: str, where: str, model: nn.Module, n: int, expected: dic
         fail(T("unit_numel", unit=k, got=got[k], expected=expected[k]), T("count_unit"))
 
 
-def measure_peak(wrap: set[type[nn.Module]] | None, world_size: int, model: nn.Module | None = None,
-                 steps: int = 2) -> list[dict[str, Any]]:
-    """Train `FSDP(model, ctx, wrap=wrap)` with AdamW for `steps` steps on `world_size` simulated ranks; per rank, the
-    last step's peak (bytes, from live storages), where it happened, and the units' padded sizes."""
-    from fsdp_course.runtime.simulate import run_ranks
-
-    base = exercise_model() if model is None else model
-    return run_ranks(lambda ctx: _train(base, ctx, wrap, steps), world_size)
+def measure_peak(wrap: set[type[nn.Module]] | None, world_size: int) -> list[dict[str, Any]]:
+    """Train `FSDP(exercise_model(), ctx, wrap=wrap)` with AdamW for 2 steps on `world_size` simulated ranks; per rank,
+    the last step's peak (bytes, from live storages), where it happened, and the units' padded sizes."""
+    base = exercise_model()
+    return run_ranks(lambda ctx: _train(base, ctx, wrap), world_size)
 
 
-def _train(base: nn.Module, ctx: RankContext, wrap: Any, steps: int) -> dict[str, Any]:
+def _train(base: nn.Module, ctx: RankContext, wrap: Any, steps: int = 2) -> dict[str, Any]:
     fsdp = FSDP(copy.deepcopy(base), ctx, wrap=wrap)
     opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
     recorder = attach(fsdp, opt)
@@ -149,14 +138,14 @@ def check_predicted_peak(fn: Callable[[dict[str, int], int], float], wrap_policy
     policy_name = require_callable(check, wrap_policy, "wrap_policy")
     sizes = require_world_sizes(world_sizes)
     for numels, n in PEAK_CASES:
-        _judge_prediction(check, name, fn, numels, n, f"world size {n}, units {_describe(numels)}")
+        _judge_prediction(check, name, fn, numels, n, f"world size {n}, units {numels}")
     wrap = call_learner(check, policy_name, wrap_policy, where="calling wrap_policy()")
     model = exercise_model()
     layer = count_parameters(model.encoder.layers[0])
     lines: list[Message] = []
     for n in sizes:
         where = f"world size {n}, wrap_policy() = {_policy_text(wrap)}"
-        runs = run_checked(check, "FSDP(model, ctx, wrap=wrap_policy())", lambda ctx: _train(model, ctx, wrap, 2), n,
+        runs = run_checked(check, "FSDP(model, ctx, wrap=wrap_policy())", lambda ctx: _train(model, ctx, wrap), n,
                            lambda r, w=where: f"{w}, rank {r}", _wrap_hint)
         numels = runs[0]["numels"]
         largest_name = max(numels, key=numels.get)
@@ -164,7 +153,7 @@ def check_predicted_peak(fn: Callable[[dict[str, int], int], float], wrap_policy
             root_note = T("root_note") if largest_name == "root" else ""
             CheckFailure(check, where, T("largest_unit", unit=largest_name, numel=numels[largest_name],
                                          root_note=root_note, layer=padded_numel(layer, n)),
-                         T("wrap_classes"), [f"units {_describe(numels)}"]).fail()
+                         T("wrap_classes"), [f"units {numels}"]).fail()
         predicted = call_learner(check, name, fn, dict(numels), n, where=where)
         peak = runs[0]["peak"]
         if not all(r["peak"] == peak for r in runs):
@@ -175,8 +164,7 @@ def check_predicted_peak(fn: Callable[[dict[str, int], int], float], wrap_policy
                                          bound=PEAK_BOUND), T("formula_units")).fail()
         lines.append(T("peak_measured", n=n, units=len(numels), largest=largest_name, numel=numels[largest_name],
                        peak=peak, label=runs[0]["peak_label"], ratio=ratio, predicted=float(predicted)))
-    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))), *lines,
-        T("peak_passed", cases=len(PEAK_CASES), bound=PEAK_BOUND))
+    say_passed(check, sizes, *lines, T("peak_passed", cases=len(PEAK_CASES), bound=PEAK_BOUND))
 
 
 def _policy_text(wrap: Any) -> str:
@@ -185,12 +173,7 @@ def _policy_text(wrap: Any) -> str:
     return repr(wrap)
 
 
-def _wrap_hint(exc: BaseException) -> Message:
-    if "wrap must be a set of nn.Module classes" in str(exc):
-        return T("wrap_set")
-    if "is sharded by FSDP" in str(exc):
-        return T("functional")
-    return exception_hint(exc)
+_wrap_hint = hints(("wrap must be a set of nn.Module classes", T("wrap_set")), ("is sharded by FSDP", T("functional")))
 
 
 def _judge_prediction(check: str, name: str, fn: Callable[..., Any], numels: dict[str, int], n: int,
@@ -205,7 +188,6 @@ def _judge_prediction(check: str, name: str, fn: Callable[..., Any], numels: dic
         return
     without_root = {k: v for k, v in numels.items() if k != "root"}
     largest_wrapped = max(without_root.values()) if without_root else 0
-    first = next(iter(numels.values()))
     known = [  # what a mistake predicts, the mistake, its hint
         (16 * psi / n + 8 * largest_wrapped, T("why_root_not_largest"), T("root_too", root=numels.get("root"))),
         (16 * sum(without_root.values()) / n + 8 * largest, T("why_psi_no_root"), T("psi_sum")),
@@ -213,12 +195,11 @@ def _judge_prediction(check: str, name: str, fn: Callable[..., Any], numels: dic
         (16 * psi + 8 * largest, T("why_not_divided"), T("keep_1n")),
         (16 * psi / n + 4 * largest, T("why_four"), T("holds_both")),
         (16 * psi / n, T("why_no_largest"), T("add_largest")),
-        (16 * psi / n + 8 * first, T("why_first"), T("take_max")),
+        (16 * psi / n + 8 * next(iter(numels.values())), T("why_first"), T("take_max")),
         ((16 * psi / n + 8 * largest) / 4, T("why_elements"), T("fp32")),
     ]
+    details = [f"Ψ = {psi}, largest unit {max(numels, key=numels.get)!r} = {largest}"]
     for value, why, hint in known:
         if value != expected and abs(got - value) <= 1e-6 * max(value, 1.0):
-            CheckFailure(check, where, T("predicted_why", got=got, expected=expected, why=why), hint,
-                         [f"Ψ = {psi}, largest unit {max(numels, key=numels.get)!r} = {largest}"]).fail()
-    CheckFailure(check, where, T("predicted_off", got=got, expected=expected), T("formula"),
-                 [f"Ψ = {psi}, largest unit {max(numels, key=numels.get)!r} = {largest}"]).fail()
+            CheckFailure(check, where, T("predicted_why", got=got, expected=expected, why=why), hint, details).fail()
+    CheckFailure(check, where, T("predicted_off", got=got, expected=expected), T("formula"), details).fail()

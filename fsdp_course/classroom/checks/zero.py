@@ -13,15 +13,14 @@ import torch
 
 from fsdp_course.classroom.checks._common import (
     CheckFailure,
-    exception_hint,
     format_tensor,
-    require_callable,
-    require_world_sizes,
+    hints,
+    known_mistake,
+    require_learner,
     run_checked,
-    say,
+    say_passed,
     scale_ratio,
 )
-from fsdp_course.classroom.checks._common import T as COMMON
 from fsdp_course.fsdp.flat_param import padded_numel
 from fsdp_course.i18n.messages import Message, catalogue
 from fsdp_course.runtime.context import RankContext
@@ -37,6 +36,7 @@ SEED = 4
 RTOL, ATOL = 1e-5, 1e-6
 
 T = catalogue("zero")  # fsdp_course/i18n/catalogues/zero.yml
+_hint = hints(("must divide by the world size", T("pad_bucket")))
 
 
 def cut_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
@@ -77,13 +77,6 @@ class _Run:
     chunks: Any
     records: list[tuple[str, int]]  # (op, payload bytes) from the rank's ledger
     reduced_before: list[int] = field(default_factory=list)  # reduce-scatters done when gradient k was asked for
-    handed: int = 0  # how many gradients the function asked for
-
-
-def _hint(exc: BaseException) -> Message:
-    if "must divide by the world size" in str(exc):
-        return T("pad_bucket")
-    return exception_hint(exc)
 
 
 def _span(bucket: list[int], **rest: Message) -> Message:
@@ -106,8 +99,7 @@ def check_zero2_reduce(fn: Callable[[RankContext, Iterator[torch.Tensor], int], 
     """Check `fn(ctx, grads, bucket_numel) -> chunks`: buckets cut as ZeRO-2 cuts them, each reduce-scattered
     (mean) as soon as it is complete, this rank's chunk of each bucket returned, in order."""
     check = "check_zero2_reduce"
-    name = require_callable(check, fn, "zero2_reduce")
-    sizes = require_world_sizes(world_sizes)
+    name, sizes = require_learner(check, fn, "zero2_reduce", world_sizes)
     for n in sizes:
         for case, (shapes, bucket_numel) in enumerate(CASES):
             grads = rank_grads(shapes, n)
@@ -122,7 +114,6 @@ def check_zero2_reduce(fn: Callable[[RankContext, Iterator[torch.Tensor], int], 
                 def arriving() -> Iterator[torch.Tensor]:
                     for g in grads[ctx.rank]:
                         run.reduced_before.append(sum(r.op == "reduce_scatter" for r in ctx.ledger.records))
-                        run.handed += 1
                         yield g.clone()
 
                 out = fn(ctx, arriving(), bucket_numel)
@@ -135,8 +126,7 @@ def check_zero2_reduce(fn: Callable[[RankContext, Iterator[torch.Tensor], int], 
             runs = run_checked(check, name, rank_fn, n, lambda r, w=where_case: f"{w}, rank {r}", _hint)
             for rank, run in enumerate(runs):
                 _judge(check, f"{where_case}, rank {rank}", n, rank, run, expected, buckets, grads[0])
-    say(COMMON("passed", check=check, what=COMMON("world_sizes", sizes=", ".join(map(str, sizes)))),
-        T("passed", cases=len(CASES)))
+    say_passed(check, sizes, T("passed", cases=len(CASES)))
 
 
 def _judge(check: str, where: str, n: int, rank: int, run: _Run, expected: list[list[torch.Tensor]],
@@ -147,16 +137,16 @@ def _judge(check: str, where: str, n: int, rank: int, run: _Run, expected: list[
     mine = expected[rank]
     count = len(buckets)
     scatters = sum(op == "reduce_scatter" for op, _ in run.records)
-    if run.handed < len(shapes):
-        fail(T("asked_for", handed=run.handed, total=len(shapes)), T("loop_every"))
+    if len(run.reduced_before) < len(shapes):  # one entry per gradient the function asked for
+        fail(T("asked_for", handed=len(run.reduced_before), total=len(shapes)), T("loop_every"))
     if not isinstance(run.chunks, list | tuple) or not all(isinstance(c, torch.Tensor) for c in run.chunks):
         fail(T("not_list", kind=type(run.chunks).__name__), T("return_list"))
     got = list(run.chunks)
-    numels = [g.numel() for g in shapes]
+    sizes = [sum(shapes[i].numel() for i in b) for b in buckets]
     if len(got) != count:
         if len(got) == len(shapes) or scatters == len(shapes):
-            fail(T("reduced_alone", scatters=scatters, grads=len(shapes), count=count,
-                   sizes=[sum(numels[i] for i in b) for b in buckets]), T("collect_bucket"))
+            fail(T("reduced_alone", scatters=scatters, grads=len(shapes), count=count, sizes=sizes),
+                 T("collect_bucket"))
         if len(got) == count - 1 and scatters == count - 1:
             fail(T("last_never", got=len(got), count=count, span=_span(buckets[-1])), T("last_waiting"))
         chunks = T("chunk_one" if len(got) == 1 else "chunk_many", n=len(got))
@@ -165,14 +155,11 @@ def _judge(check: str, where: str, n: int, rank: int, run: _Run, expected: list[
         label = T("bucket", b=b, span=_span(buckets[b]))
         details = [f"expected {format_tensor(want)}", f"got      {format_tensor(chunk)}"]
         if tuple(chunk.shape) != tuple(want.shape):
-            numel = sum(numels[i] for i in buckets[b])
-            if chunk.numel() == padded_numel(numel, n):
-                hint = T("whole_bucket")
-            elif n > 1 and rank == n - 1 and chunk.numel() == numel - (n - 1) * (padded_numel(numel, n) // n):
-                hint = T("keep_whole")  # the last rank cut its chunk's padding off
-            else:
-                hint = T("flatten_pad", numel=numel, padded=padded_numel(numel, n), n=n,
-                         each=padded_numel(numel, n) // n)
+            numel, padded = sizes[b], padded_numel(sizes[b], n)
+            hint = known_mistake(chunk.numel(), [  # the whole bucket; the last rank's chunk cut at the padding
+                (padded, lambda: T("whole_bucket")),
+                (numel - (n - 1) * (padded // n) if n > 1 and rank == n - 1 else None, lambda: T("keep_whole"))],
+                first=True) or T("flatten_pad", numel=numel, padded=padded, n=n, each=padded // n)
             fail(T("chunk_shape", label=label, got=tuple(chunk.shape), expected=tuple(want.shape)), hint, details)
         if torch.allclose(chunk.double(), want.double(), rtol=RTOL, atol=ATOL):
             continue
@@ -190,7 +177,7 @@ def _judge(check: str, where: str, n: int, rank: int, run: _Run, expected: list[
     if others:
         fail(T("other_ops", ops=", ".join(others)), T("one_per_bucket"))
     sent = [payload for op, payload in run.records if op == "reduce_scatter"]
-    want_bytes = [4 * padded_numel(sum(numels[i] for i in b), n) for b in buckets]
+    want_bytes = [4 * padded_numel(s, n) for s in sizes]
     if sent != want_bytes:
         fail(T("bytes", sent=sent, want=want_bytes), T("each_once"))
     for b, bucket in enumerate(buckets):
