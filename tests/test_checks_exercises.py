@@ -205,6 +205,12 @@ def pads_a_whole_rank(tensors: list[torch.Tensor], world_size: int) -> torch.Ten
     return torch.cat([flat, flat.new_zeros(world_size - flat.numel() % world_size)])  # world_size zeros if it divides
 
 
+def none_after_rank_0(numel: int, world_size: int, rank: int) -> tuple[int, int] | None:
+    if world_size == 1:
+        return 0, numel
+    return (1, 2) if rank == 0 else None  # wrong on rank 0, and a branch that forgets to return
+
+
 def no_offset(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
     return [flat[:torch.Size(s).numel()].view(s) for s in shapes]
 
@@ -221,6 +227,7 @@ def test_flat_param_reference_passes(capsys: pytest.CaptureFixture[str]) -> None
     (0, pads_a_whole_rank, "flat_param.one_rank", {"numel": 16}),
     (1, article_range, "flat_param.article_bug", {"last": 2, "short": 4, "size": 6}),
     (1, floor_range, "flat_param.not_whole", {"numel": 16, "n": 3, "shard": 6}),
+    (1, none_after_rank_0, "flat_param.range_returned", {"r": 1, "got": "None"}),
     (2, copies, "flat_param.copy", {"i": 0}),
     (2, no_offset, "flat_param.running_offset", {}),
 ])
