@@ -84,6 +84,12 @@ def with_padding(layout, flat, rank, world_size):  # the padding at the end of f
     return [*CHECKPOINTS["dim0_chunks"](layout, flat, rank, world_size), flat[layout.numel:].clone()]
 
 
+def scalar_rows(layout, flat, rank, world_size):  # p[rank] of a 1-D parameter: one element, not a row range
+    return [p[min(rank, p.shape[0] - 1)].clone() if p.dim() == 1 else c
+            for p, c in zip(layout.unflatten(flat), CHECKPOINTS["dim0_chunks"](layout, flat, rank, world_size),
+                            strict=True)]
+
+
 def stub(layout, flat, rank, world_size):
     raise NotImplementedError()
 
@@ -108,6 +114,7 @@ def test_the_course_s_own_cut_passes(capsys: pytest.CaptureFixture[str]) -> None
     (views, "dcp.copy", {}),
     (returns_dict, "dcp.not_list", {"kind": "dict"}),
     (with_padding, "dcp.count", {"got": 4, "expected": 3}),
+    (scalar_rows, "dcp.row_range", {"rows": 3}),
 ])
 def test_planted_mistakes_are_named(fn: Callable, says: str, fields: dict, capsys: pytest.CaptureFixture[str]) -> None:
     fails(check_dim0_chunks, fn, says=says, fields=fields, capsys=capsys)
