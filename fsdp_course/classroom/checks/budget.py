@@ -306,7 +306,7 @@ def check_smallest_world_size(fn: Callable[[int, int, float, int, bool], int | N
         confirmed[offload] = T("fits", n=n, below=T("runs_out", n=n - 1, category=below[0]["category"])
                                if below is not None else "")
     say_passed(check, T("against_run", sizes=f"1-{MAX_WORLD_SIZE}", formula="budget_formula",
-                          real=", ".join(map(str, sorted(sizes)))),
+                        real=", ".join(map(str, sorted(sizes)))),
                T("run_budget", capacity=RUN_CAPACITY, plain=confirmed[False], offloaded=confirmed[True]))
 
 
@@ -339,7 +339,8 @@ def check_bytes_sent(fn: Callable[[int, int, int], float]) -> None:
                          T("ledger_bytes", got=got, sent=sent), T("see_formula")).fail()
         rows.append(f"N = {n}: {sent:,.0f} B")  # data: the Chinese shows it as it is
     say_passed(check, T("against_ledger", sizes=", ".join(map(str, WORLD_SIZES)), formula="traffic_formula",
-                        real="2, 3"), T("bytes_rows", rows="; ".join(rows)))
+                        real="2, 3"),
+               T("bytes_rows", rows="; ".join(rows)))
 
 
 def _traffic_hint(got: float, psi: int, n: int, stage: int) -> Message:
@@ -420,4 +421,5 @@ def check_comm_seconds(fn: Callable[[int, int, int, float, float], float]) -> No
                 if rows is None else T("comm_row_after", before=rows, n=n, collectives=ran["collectives"],
                                        ring_steps=ran["ring_steps"], sent=ran["sent"]))
     say_passed(check, T("against_ledger", sizes=", ".join(sorted({str(c[1]) for c in COMM_CASES}, key=int)),
-                          formula="CostFit.predict", real="2, 3"), T("comm_rows", rows=rows))
+                        formula="CostFit.predict", real="2, 3"),
+               T("comm_rows", rows=rows))

@@ -76,9 +76,9 @@ def check_flat_param(flatten_with_padding: Callable[[list[torch.Tensor], int], t
     n = 3
     layout = _layout(SHAPE_CASES[1], n)
     say_passed(check, WORLD_SIZES, T("passed_layout", cases=len(SHAPE_CASES)),
-        T("passed_gather", sizes=", ".join(map(str, GATHER_WORLD_SIZES))),
-        T("passed_example", shapes=", ".join(map(str, SHAPE_CASES[1])), n=n, numel=layout.numel,
-          padded=layout.padded_numel, shards=", ".join(str(layout.shard_range(r)) for r in range(n))))
+               T("passed_gather", sizes=", ".join(map(str, GATHER_WORLD_SIZES))),
+               T("passed_example", shapes=", ".join(map(str, SHAPE_CASES[1])), n=n, numel=layout.numel,
+                 padded=layout.padded_numel, shards=", ".join(str(layout.shard_range(r)) for r in range(n))))
 
 
 def _check_flatten(check: str, name: str, fn: Callable, shapes: Sequence[tuple[int, ...]], n: int) -> None:
