@@ -31,7 +31,7 @@ import nbformat
 import pytest
 
 from fsdp_course.classroom import cli, grading
-from fsdp_course.classroom.autograde import _package_digest
+from fsdp_course.classroom.autograde import _package_digest, _rewrite_checker
 
 ROOT = Path(__file__).resolve().parents[1]
 EX01 = "01_collectives"
@@ -548,3 +548,13 @@ def test_more_jobs_than_the_machine_can_run_are_capped_and_said(tmp_path: Path) 
     most = 2 * (os.cpu_count() or 1)
     assert f"10000 jobs is more than this machine can run ({os.cpu_count()} cores): {most} at a time" in lines
     assert [g.status for g in graded] == ["invalid"]
+
+
+def test_a_checker_cell_is_rewritten_to_the_private_copy_and_a_submodule_import_is_refused() -> None:
+    """The guard hands out the checks package's functions: a checker cell importing a submodule would get the public
+    copy a notebook can rebind, so the grader refuses it and says what to write instead."""
+    rewritten = _rewrite_checker("from fsdp_course.classroom.checks import check_ddp\ncheck_ddp(f)", "_g", "c1", "n1")
+    assert rewritten.splitlines() == ["_g.begin('c1')", "check_ddp = _g.get('check_ddp')  # the grader's own copy",
+                                      "check_ddp(f)", "_g.done('c1', 'n1')"]
+    with pytest.raises(ValueError, match=r"imports from fsdp_course\.classroom\.checks\.ddp: import its checks from"):
+        _rewrite_checker("from fsdp_course.classroom.checks.ddp import check_ddp\ncheck_ddp(f)", "_g", "c1", "n1")

@@ -141,7 +141,9 @@ def test_every_catalogue_file_is_read_and_a_bad_one_is_refused_by_name(tmp_path:
     assert files and files <= registered, f"catalogues no module reads: {sorted(files - registered)}"
     for text, refusal in [("no:\n  en: a\n  zh: 甲\n", "put it in quotes"),
                           ("a:\n  en: only English\n", "exactly an `en:` and a `zh:`"),
-                          ("- a list\n", "one entry per message id")]:
+                          ("- a list\n", "one entry per message id"),
+                          ("a:\n  en: x\n  zh: 甲\na:\n  en: y\n  zh: 乙\n", "message ids given twice: a"),
+                          ("a:\n  en: \"unclosed\n", "not valid YAML")]:
         (tmp_path / "t_file.yml").write_text(text, encoding="utf-8")
         with pytest.raises(ValueError, match=refusal) as refused:
             messages._read(tmp_path / "t_file.yml")

@@ -189,6 +189,10 @@ def _rewrite_checker(source: str, guard: str, grade_id: str, nonce: str) -> str:
     except SyntaxError:
         return source  # the instructor's cell fails as it is
     lines = source.splitlines()
+    for node in ast.walk(tree):  # the private copy is the package's: a submodule's import would get the public one
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(CHECKS_PACKAGE + "."):
+            raise ValueError(f"checker cell {grade_id} imports from {node.module}: import its checks from "
+                             f"{CHECKS_PACKAGE} (`from {CHECKS_PACKAGE} import ...`) in the solution notebook")
     for node in sorted((n for n in tree.body if isinstance(n, ast.ImportFrom) and n.level == 0
                         and n.module == CHECKS_PACKAGE), key=lambda n: -n.lineno):
         if any(a.name == "*" for a in node.names):
@@ -269,10 +273,11 @@ def _static_flags(nb: NotebookNode, graded: dict[str, float]) -> list[str]:
 
 
 def _package_digest() -> str:
-    """A digest of the course's Python files on disk: a notebook that edits them is flagged."""
+    """A digest of the course's files on disk (its code and message catalogues): a notebook that edits them is
+    flagged."""
     root = Path(__file__).parents[1]
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
         h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 

@@ -1,7 +1,8 @@
 """Messages a learner reads, by id, with their English and Chinese side by side in one catalogue per module.
 
-`T = catalogue("hsdp")` registers `catalogues/hsdp.yml` (too_large: en "{n}x too large", zh "大了 {n} 倍") and
-returns `T`, which makes a `Message` from an id and its fields: `T("too_large", n=4)`, rendered in either language.
+`T = catalogue("common")` registers `catalogues/common.yml` (e.g. values_differ: en "rank {rank}: values differ",
+zh "rank {rank}：数值不对") and returns `T`, which makes a `Message` from an id and its fields:
+`T("values_differ", rank=1)`, rendered in either language.
 """
 
 from __future__ import annotations
@@ -86,10 +87,24 @@ def catalogue(module: str, entries: Mapping[str, tuple[str, str]] | None = None)
     return make
 
 
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """YAML's safe loader, refusing an id given twice (plain YAML keeps the last)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+        twice = sorted({str(k) for k in keys if keys.count(k) > 1})
+        if twice:
+            raise yaml.constructor.ConstructorError(None, None, f"message ids given twice: {', '.join(twice)}",
+                                                    node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read(path: Path) -> dict[str, tuple[str, str]]:
     """A catalogue file's entries; a ValueError naming the file and entry for anything but `id: {en: .., zh: ..}`."""
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    data = yaml.load(path.read_text(encoding="utf-8"), Loader=loader)
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: give one entry per message id, `id:` then `en:` and `zh:` lines; got {data!r}")
     entries = {}
