@@ -10,7 +10,7 @@ live here.
     print_memory_table(runs, psi)            # beside ZeRO's formulas
     print_traffic_table(runs)                # beside 2Ψ(N−1)/N
 
-    recorded = run_ranks(lambda ctx: record_steps(model, ctx, adamw, batches[:2]), 4)
+    recorded = run_ranks(lambda ctx: record_zero_steps(model, ctx, adamw, batches[:2]), 4)
     print_events(recorded[0])                # bytes held at each event of the last step
 
 Every rank trains a deep copy of the model on its contiguous slice of each global batch (`local_slice`); one
@@ -47,7 +47,7 @@ from fsdp_course.runtime.simulate import run_ranks
 __all__ = [
     "ENGINES", "EngineRun", "StepEvents", "TwoTensors", "bucket_listing", "is_view_of", "make_trainee",
     "peak_at_every_moment", "print_buckets", "print_chunks", "print_events", "print_memory_table",
-    "print_traffic_table", "record_steps", "replicas_identical", "train_engines",
+    "print_traffic_table", "record_zero_steps", "replicas_identical", "train_engines",
 ]
 
 ENGINES = ("DDP", "ZeRO-1", "ZeRO-2")
@@ -224,7 +224,7 @@ def print_buckets(listing: Sequence[tuple[int, list[str]]], title: str, psi: int
 # -- one step, event by event ----------------------------------------------------------------------
 @dataclass
 class StepEvents:
-    """What a `MemoryRecorder` saw over the last step of `record_steps`, on one rank."""
+    """What a `MemoryRecorder` saw over the last step of `record_zero_steps`, on one rank."""
 
     events: list[tuple[str, dict[str, int]]]  # (label, bytes by category); buckets named "reduce_scatter bucket i"
     peak: int  # parameters + gradients + optimizer state, the largest over the last step's events
@@ -239,7 +239,7 @@ class StepEvents:
         return int(self.peak_label[len(prefix):]) if self.peak_label.startswith(prefix) else None
 
 
-def record_steps(model: nn.Module, ctx: RankContext, optimizer_factory: OptimizerFactory,
+def record_zero_steps(model: nn.Module, ctx: RankContext, optimizer_factory: OptimizerFactory,
                  batches: Sequence[Batch], engines: Sequence[str] = ("ZeRO-1", "ZeRO-2")) -> dict[str, StepEvents]:
     """Train each engine (a deep copy of `model`) one step per global batch, with a `MemoryRecorder` attached;
     keep the events of the last step. ZeRO-2's events name each bucket's first parameter; here they are numbered
