@@ -1,5 +1,6 @@
 """Generate the learners' exercise notebooks from the solution notebooks, the single source of each exercise.
 
+Cites nbgrader's ClearSolutions, ClearHiddenTests and ClearOutput preprocessors.
 Design notes: docs/CLASSROOM.md, "The authors' tools", `exercises.py`.
 """
 

@@ -1,5 +1,6 @@
 """Start the course's JupyterLab: on lesson 00, with a token, no pop-ups, and the URL printed.
 
+Cites JupyterLab's overrides.json (its documentation of user directories).
 Design notes: docs/CLASSROOM.md, "The classroom", `lab.py`.
 """
 

@@ -1,5 +1,6 @@
 """What every exercise checker shares: the failure report, running the learner's code, comparing tensors.
 
+Cites the style of ARENA's checkers.
 Design notes: docs/CLASSROOM.md, "Checkers", `_common.py`.
 """
 

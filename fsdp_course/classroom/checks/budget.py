@@ -1,5 +1,6 @@
 """Checkers of exercise 18 (the memory-budget puzzles): a device budget, ZeRO's stages, CPU offload, ring traffic.
 
+Cites ZeRO (arXiv:1910.02054, sections 5.1 and 7); PyTorch FSDP (arXiv:2304.11277).
 Design notes: docs/CLASSROOM.md, "Checkers", `budget.py`.
 """
 

@@ -1,5 +1,6 @@
 """Checker of exercise 08: a sharded checkpoint, saved per rank, loaded back exactly by other processes.
 
+Cites PyTorch FSDP's SHARDED_STATE_DICT (arXiv:2304.11277).
 Design notes: docs/CLASSROOM.md, "Checkers", `checkpoint.py`.
 """
 

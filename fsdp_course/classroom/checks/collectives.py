@@ -1,5 +1,6 @@
 """Checkers of exercise 01: all-reduce built from reduce-scatter + all-gather, and a ring all-reduce.
 
+Cites ZeRO (arXiv:1910.02054, section 7); PyTorch FSDP (arXiv:2304.11277); the ring all-reduce of NCCL and Gloo.
 Design notes: docs/CLASSROOM.md, "Checkers", `collectives.py`.
 """
 

@@ -1,5 +1,6 @@
 """Checker of exercise 19: one unit's gathered flat parameter, cut into each parameter's `Shard(0)` rows for rank r.
 
+Cites torch.distributed.checkpoint and DTensor's Shard(0) (torch.chunk's cut).
 Design notes: docs/CLASSROOM.md, "Checkers", `dcp.py`.
 """
 

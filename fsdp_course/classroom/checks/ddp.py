@@ -1,5 +1,6 @@
 """Checkers of exercise 02: DDP by hand, broadcast the initial parameters and average gradients with hooks.
 
+Cites ZeRO (arXiv:1910.02054, section 2); PyTorch's DDP (torch/nn/parallel/distributed.py).
 Design notes: docs/CLASSROOM.md, "Checkers", `ddp.py`.
 """
 

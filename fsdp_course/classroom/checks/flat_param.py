@@ -1,5 +1,6 @@
 """Checker of exercise 05: the flat parameter, flattened with padding, cut into equal shards, unflattened as views.
 
+Cites PyTorch FSDP (arXiv:2304.11277, section 3.2.1).
 Design notes: docs/CLASSROOM.md, "Checkers", `flat_param.py`.
 """
 

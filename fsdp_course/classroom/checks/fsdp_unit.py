@@ -1,5 +1,6 @@
 """Checker of exercise 06: the FSDP unit, checked by training equivalence against one process.
 
+Cites PyTorch FSDP (arXiv:2304.11277, section 3); FSDP2's names for the four moments.
 Design notes: docs/CLASSROOM.md, "Checkers", `fsdp_unit.py`.
 """
 

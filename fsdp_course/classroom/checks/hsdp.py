@@ -1,5 +1,6 @@
 """Checker of exercise 16: HSDP's gradient path for one flat gradient.
 
+Cites FSDP2's foreach_reduce (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
 Design notes: docs/CLASSROOM.md, "Checkers", `hsdp.py`.
 """
 

@@ -1,5 +1,6 @@
 """Checker of exercise 17: a LoRA layer (Hu et al., arXiv:2106.09685), alone and fine-tuned under the course's FSDP.
 
+Cites LoRA (Hu et al., arXiv:2106.09685).
 Design notes: docs/CLASSROOM.md, "Checkers", `lora.py`.
 """
 

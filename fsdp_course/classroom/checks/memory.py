@@ -1,5 +1,6 @@
 """Checker of exercise 03: a ZeRO memory calculator, against the formulas and against measured bytes.
 
+Cites ZeRO (arXiv:1910.02054, section 5.1, figure 1).
 Design notes: docs/CLASSROOM.md, "Checkers", `memory.py`.
 """
 

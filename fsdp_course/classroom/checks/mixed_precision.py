@@ -1,5 +1,6 @@
 """Checkers of exercise 13: fp16 loss scaling over sharded gradients (the found-inf check, then the scale's update).
 
+Cites Micikevicius et al. (arXiv:1710.03740, section 3.2); torch's ShardedGradScaler.
 Design notes: docs/CLASSROOM.md, "Checkers", `mixed_precision.py`.
 """
 

@@ -1,5 +1,6 @@
 """Checkers of exercise 09: the classifier's forward path by hand, and training data with one input per sample.
 
+Cites the shapes PyTorch's F.cross_entropy documents.
 Design notes: docs/CLASSROOM.md, "Checkers", `model_pitfalls.py`.
 """
 

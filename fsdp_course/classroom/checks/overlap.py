@@ -1,5 +1,6 @@
 """Checker of exercise 14: forward prefetching with asynchronous all-gathers.
 
+Cites PyTorch FSDP (arXiv:2304.11277, section 3.3, forward prefetching); FSDP2.
 Design notes: docs/CLASSROOM.md, "Checkers", `overlap.py`.
 """
 

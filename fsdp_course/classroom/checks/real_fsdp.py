@@ -1,5 +1,6 @@
 """Checker of exercise 11: the course's units with PyTorch's `fully_shard`, trained under torchrun.
 
+Cites PyTorch's fully_shard (torch/distributed/fsdp/_fully_shard/).
 Design notes: docs/CLASSROOM.md, "Checkers", `real_fsdp.py`.
 """
 

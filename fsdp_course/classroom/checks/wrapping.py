@@ -1,5 +1,6 @@
 """Checker of exercise 07: a wrap policy, the units it makes, and the peak memory it predicts.
 
+Cites ZeRO (arXiv:1910.02054); PyTorch FSDP (arXiv:2304.11277).
 Design notes: docs/CLASSROOM.md, "Checkers", `wrapping.py`.
 """
 

@@ -1,5 +1,6 @@
 """Checker of exercise 04: ZeRO-2's bucketed gradient reduction.
 
+Cites ZeRO (arXiv:1910.02054, section 5.2); DDP's buckets (torch/nn/parallel/distributed.py).
 Design notes: docs/CLASSROOM.md, "Checkers", `zero.py`.
 """
 
