@@ -13,7 +13,7 @@ from reference_solutions import fails, load, passes
 from torch import nn
 
 from fsdp_course.classroom.checks import check_kept_bytes, check_lora_linear
-from fsdp_course.classroom.checks.lora import _under_fsdp
+from fsdp_course.classroom.checks.lora import KEPT_CASES, _under_fsdp
 from fsdp_course.lora import LoRALinear as LibraryLoRALinear
 
 FINETUNE = load("17_finetune")
@@ -228,7 +228,8 @@ def kept(units, n, *, pieces=lambda k, n: math.ceil(k / n), frozen_params=True, 
 def test_kept_bytes_reference_passes(capsys: pytest.CaptureFixture[str]) -> None:
     out = passes(check_kept_bytes, FINETUNE["kept_bytes"], capsys=capsys)
     assert "made-up layouts" in out
-    passes(check_kept_bytes, kept, capsys=capsys, world_sizes=(2,))
+    # the planted answers below are `kept` with one thing wrong: unchanged, it is the reference on every case
+    assert all(kept(units, n) == FINETUNE["kept_bytes"](units, n) for units, n in KEPT_CASES)
 
 
 @pytest.mark.parametrize("planted, says, fields", [

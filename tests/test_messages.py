@@ -173,6 +173,7 @@ def test_a_report_adds_its_chinese_only_in_chinese(lang: str | None, monkeypatch
 
 
 def test_equal_messages_hash_equal() -> None:
-    make = catalogue("test_hash", {"n": ("{n} ranks", "{n} 个 rank")})
+    make = catalogue("t_hash", {"n": ("{n} ranks", "{n} 个 rank")})
     assert make("n", n=1) == make("n", n=1.0) and hash(make("n", n=1)) == hash(make("n", n=1.0))
     assert {make("n", n=2): "panel"}[make("n", n=2)] == "panel"
+    del CATALOGUE["t_hash.n"]

@@ -19,6 +19,7 @@ from pathlib import Path
 import matplotlib
 import nbformat
 import pytest
+import torch
 
 from fsdp_course import i18n, viz
 from fsdp_course.classroom import translations as tr
@@ -150,11 +151,11 @@ def test_one_word_means_one_thing_in_the_chinese_edition() -> None:
                 for m in re.finditer(pattern, prose):
                     found.append(f"{where}: {prose[max(0, m.start() - 12):m.end() + 12]!r}: say {term['zh']} "
                                  f"for {term['en']}")
-        if not where.startswith("message viz"):  # a line break inside a Chinese sentence renders as a stray space
-            found += [f"{where}: line break in {prose[m.start() - 8:m.end() + 8]!r}: join the lines"
-                      for m in re.finditer(r"[\u4e00-\u9fff，。；：、]\n(?![\s\-\d|#>*`])[\u4e00-\u9fff]", prose)]
-            found += [f"{where}: a space in {prose[m.start() - 8:m.end() + 8]!r}: Chinese words take none"
-                      for m in re.finditer(r"[\u4e00-\u9fff] [\u4e00-\u9fff]", prose)]
+        # a line break inside a Chinese sentence renders as a stray space
+        found += [f"{where}: line break in {prose[m.start() - 8:m.end() + 8]!r}: join the lines"
+                  for m in re.finditer(r"[\u4e00-\u9fff，。；：、]\n(?![\s\-\d|#>*`])[\u4e00-\u9fff]", prose)]
+        found += [f"{where}: a space in {prose[m.start() - 8:m.end() + 8]!r}: Chinese words take none"
+                  for m in re.finditer(r"[\u4e00-\u9fff] [\u4e00-\u9fff]", prose)]
     assert not found, "\n".join(found[:30]) + f"\n({len(found)} in all)"
 
 
@@ -284,20 +285,23 @@ def test_the_language_comes_from_the_variable_or_the_notebook_folder(tmp_path: P
 
 
 CODE_NAMES = re.compile(  # what a figure writes as it is in both languages: names from code and data, formulas
-    r"(rank \d+|ranks [\d, ]+|all_gather|all_reduce|reduce_scatter|broadcast|op='\w+'|DDP|FSDP|ZeRO-\d|"
-    r"[\w.]*(weight|bias)|(encoder\.)?layers\.\d+|root|[\d.,]+ ?(B|KiB|MiB|GiB|TiB)|unshard|reshard|"
+    r"(rank \d+|ranks [\d, ]+|(all_gather|all_reduce|reduce_scatter)(, N=\d+)?|broadcast|op='\w+'|DDP|FSDP|ZeRO-\d|"
+    r"[\w.]*(weight|bias)( \([\d, ]*\))?|(encoder\.)?layers\.\d+|root|[\d.,]+ ?(B|KiB|MiB|GiB|TiB)|unshard|reshard|"
     r"[\w.]+: \w+ [\w.]+|\$.*\$|[\d/ ,()\[\]x.+=-]+|[\w-]+\n[\dΨ/N +]+|step \d+|\(no label\)|KiB|MiB|GiB)")
 
 
 def _figures() -> list:
     """One figure of each of fsdp_course.viz's kinds, from small hand-made data."""
     from fsdp_course.fsdp.param_group import Span
+    from fsdp_course.runtime.cost_model import CostFit, Sample
     from fsdp_course.runtime.ledger import Record
     from fsdp_course.viz import overlap, timeline
     from fsdp_course.viz.activations import T as TITLES
     from fsdp_course.viz.activations import plot_memory_by_batch
-    from fsdp_course.viz.collectives import STAGE, plot_ring_cost, show_ranks
-    from fsdp_course.viz.training import plot_positions_prenorm
+    from fsdp_course.viz.collectives import STAGE, plot_alpha_beta, plot_ring_cost, show_ranks
+    from fsdp_course.viz.sharding import plot_per_param_sharding
+    from fsdp_course.viz.training import plot_positions_prenorm, plot_scrambled_digit
+    from fsdp_course.viz.units import plot_unit_tradeoff
     from fsdp_course.viz.zero_scaling import plot_zero_over_n
 
     step = [("init", {"params": 400}), ("forward: unshard root", {"sharded_params": 100, "gathered_params": 400}),
@@ -319,6 +323,11 @@ def _figures() -> list:
                 plot_zero_over_n(1000, {"DDP": {1: 16000}}),
                 plot_memory_by_batch({"params": 2**20}, {8: 2**20}, TITLES("one_process", psi=1)),
                 plot_positions_prenorm({(False, False): {"step_loss": [2.3, 2.0], "test_acc": [0.3]}}, 0.5)]
+    cost = CostFit(alpha=1e-4, beta=1e-9, r2=1.0, rms=0.0, median_ratio=1.0, worst_ratio=1.0, samples=2)
+    figures += [plot_alpha_beta([Sample("all_reduce", 2, 4096, 2e-3), Sample("reduce_scatter", 2, 4096, 1e-3)], cost),
+                plot_per_param_sharding(["enc.a.weight", "enc.a.bias"], [(4, 2), (4,)], 2),
+                plot_unit_tradeoff(10**8, 4, cost, 10**6),
+                plot_scrambled_digit([torch.nn.Linear(64, 10)] * 2, torch.rand(64), torch.randperm(64), 3)]
     return figures
 
 

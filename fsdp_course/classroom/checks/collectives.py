@@ -234,17 +234,15 @@ RingIndex = Callable[[int, int, int], int]  # (rank, step, N) -> a chunk index
 RING = {"rs_send": lambda r, s, n: (r - s) % n, "rs_add": lambda r, s, n: (r - s - 1) % n,
         "ag_send": lambda r, s, n: (r + 1 - s) % n, "ag_recv": lambda r, s, n: (r - s) % n}
 RING_MISTAKES: list[tuple[dict[str, Any], Callable[[], Message]]] = [  # RING's indices changed, and the hint
-    # (a mistake is listed only where its numbers are its own: see ring_schedule's `overwrite`)
+    # (a mistake is listed only where its numbers are its own: an overwriting reduce-scatter and an all-gather one
+    # chunk early give the same ones, so that hint, or_unfinished, names both)
     ({"rs_add": lambda r, s, n: (r - s) % n}, lambda: T("ring_added_into_sent")),
 ]
 
 
-def ring_schedule(inputs: list[torch.Tensor], n: int, overwrite: bool = False,
-                  **changed: RingIndex) -> list[torch.Tensor]:
+def ring_schedule(inputs: list[torch.Tensor], n: int, **changed: RingIndex) -> list[torch.Tensor]:
     """Every rank's result of a ring all-reduce that follows RING's chunk indices (or `changed` ones), computed
-    without communication: what a learner's ring with that schedule returns. `overwrite`: the reduce-scatter half
-    receives into the chunk instead of adding to it (the same numbers as an all-gather half that starts one chunk
-    early, which is why that mistake's hint names both)."""
+    without communication: what a learner's ring with that schedule returns."""
     index = {**RING, **changed}
     shape, numel = inputs[0].shape, inputs[0].numel()
     c = padded_numel(numel, n) // n
@@ -253,7 +251,7 @@ def ring_schedule(inputs: list[torch.Tensor], n: int, overwrite: bool = False,
         sent = [bufs[r][index["rs_send"](r, s, n)].clone() for r in range(n)]
         for r in range(n):
             k = index["rs_add"](r, s, n)
-            bufs[r][k] = sent[(r - 1) % n] if overwrite else bufs[r][k] + sent[(r - 1) % n]
+            bufs[r][k] = bufs[r][k] + sent[(r - 1) % n]
     for s in range(n - 1):
         sent = [bufs[r][index["ag_send"](r, s, n)].clone() for r in range(n)]
         for r in range(n):
