@@ -407,12 +407,11 @@ def test_chunk_diagnosis_cannot_solve_chunks_smaller_than_the_world() -> None:
     assert "added twice" in hint.en
 
 
-def test_the_judge_of_known_mistakes_names_one_or_none() -> None:
+def test_the_judge_of_known_mistakes_names_the_first_that_gives_the_result_or_none() -> None:
     from fsdp_course.classroom.checks._common import T, known_mistake
 
     divisible, skipped = (lambda: T("divisible")), (lambda: T("skipped"))
-    assert known_mistake(3, [(3, divisible), (4, skipped)]).id == "common.divisible"
-    assert known_mistake(3, [(3, divisible), (None, skipped), (3.0, divisible)]).id == "common.divisible"
-    assert known_mistake(3, [(3, divisible), (3, skipped)]) is None  # two mistakes, one result: neither is named
-    assert known_mistake(3, [(3, divisible), (3, skipped)], first=True).id == "common.divisible"  # the likelier
+    assert known_mistake(4, [(3, divisible), (4, skipped)]).id == "common.skipped"
+    assert known_mistake(3, [(None, skipped), (3.0, divisible)]).id == "common.divisible"  # None: does not apply
+    assert known_mistake(3, [(3, skipped), (3, divisible)]).id == "common.skipped"  # the table's order: the likelier
     assert known_mistake(5, [(3, divisible)]) is None

@@ -15,7 +15,7 @@ from fsdp_course.classroom.checks import (
     check_device_peak,
     check_smallest_world_size,
 )
-from fsdp_course.classroom.checks.budget import RUN_CAPACITY, run_with_budget
+from fsdp_course.classroom.checks.budget import RUN_ACTIVATIONS, RUN_CAPACITY, run_with_budget
 
 BUDGET = load("18_offload")
 REF = BUDGET["device_peak"]
@@ -92,6 +92,11 @@ def smallest_past_64(psi, unit, capacity, stage, offload):
 
 def smallest_counts_from_zero(psi, unit, capacity, stage, offload):  # range(64) starts at N = 0
     return 0
+
+
+def smallest_none_for_the_run(psi, unit, capacity, stage, offload):  # a branch that returns nothing for the run's
+    return None if capacity == RUN_CAPACITY - RUN_ACTIVATIONS else BUDGET["smallest_world_size"](psi, unit, capacity,
+                                                                                                stage, offload)
 
 
 def smallest_off_by_one(psi, unit, capacity, stage, offload):
@@ -173,6 +178,7 @@ def test_device_peak_mistakes_are_named(fn: Callable, says: str, fields: dict,
     (smallest_never_tries_64, "budget.never_tried", {"top": 64, "last": 63}),
     (smallest_past_64, "budget.past_search", {"top": 64, "got": 65}),
     (smallest_counts_from_zero, "budget.at_least_one", {"got": 0}),
+    (smallest_none_for_the_run, "budget.returned", {"kind": "NoneType", "value": None}),
     (smallest_calling(offload_keeps_shards), "budget.blame_device_peak", {"got": 4_737_024, "n": 1,
                                                                           "expected": 526_336}),
     (smallest_calling(no_optimizer), "budget.blame_device_peak", {"got": 4_737_024, "n": 1, "expected": 8_947_712}),

@@ -298,9 +298,10 @@ def build(notebook: Path, root: Path = ROOT, *, redraw: bool = True, log: Any = 
     target = target_path(notebook)
     saved = nbformat.read(target, as_version=4) if target.exists() else None
     english = _figure_shas(nb, root)
+    drawn = _figure_shas(saved, root) if saved is not None else {}
     stale = [i for i, shas in english.items() if shas and not (
         saved is not None and i < len(saved.cells) and _drawn(saved.cells[i], shas)
-        and len(_figure_shas(saved, root).get(i, [])) == len(shas))]
+        and len(drawn.get(i, [])) == len(shas))]
     fresh = None
     if stale and redraw:
         from fsdp_course.i18n import INSTALL_FONT, cjk_font

@@ -95,19 +95,11 @@ class CheckFailed(AssertionError):
 
 
 def known_mistake(got: Any, mistakes: Iterable[tuple[Any, Callable[[], Message]]],
-                  same: Callable[[Any, Any], bool] = lambda a, b: a == b, *, first: bool = False) -> Message | None:
+                  same: Callable[[Any, Any], bool] = lambda a, b: a == b) -> Message | None:
     """The one judge of the checkers' tables of known mistakes: each entry is what that mistake gives (None where it
-    does not apply) and its hint. The hint of the mistake whose result is `got`, or None. Where two mistakes with
-    different hints give that result: with `first`, the table's order says which is likelier (the first); without,
-    none is named (no hint can say which one was made)."""
-    found = {}
-    for value, hint in mistakes:
-        if value is not None and same(got, value):
-            message = hint()
-            if first:
-                return message
-            found[message.id] = message
-    return next(iter(found.values())) if len(found) == 1 else None
+    does not apply) and its hint. The hint of the first mistake whose result is `got` (a table lists the likelier
+    mistake first), or None."""
+    return next((hint() for value, hint in mistakes if value is not None and same(got, value)), None)
 
 
 def say_passed(check: str, what: Message | Iterable[int], *lines: Message) -> None:
@@ -121,7 +113,7 @@ def factor_mistake(got: torch.Tensor, expected: torch.Tensor,
     """`known_mistake` of mistakes that scale the result, each by its factor: the first whose factor got is of
     expected (`scale_ratio`, within 1e-3), or None."""
     c = scale_ratio(got, expected, rtol=1e-3)
-    return None if c is None else known_mistake(c, mistakes, lambda a, k: abs(a / k - 1) < 1e-3, first=True)
+    return None if c is None else known_mistake(c, mistakes, lambda a, k: abs(a / k - 1) < 1e-3)
 
 
 def say(*lines: Message) -> None:
@@ -325,7 +317,7 @@ def compare_tensor(expected: torch.Tensor, got: object, *, world_size: int, rank
         hint = known_mistake(got.numel(), [  # the padding left on, one chunk only, the shape lost
             (padded_numel if padded_numel != numel else None, lambda: T("padding_left", numel=numel)),
             (padded_numel // n if padded_numel is not None and n > 1 else None, lambda: T("one_chunk")),
-            (numel, lambda: T("reshape"))], first=True)
+            (numel, lambda: T("reshape"))])
         return problem, hint or T("pad_and_cut"), details
     if got.dtype != expected.dtype:
         return T("dtype_differs", rank=rank, got=got.dtype, expected=expected.dtype), T("keep_dtype"), details
@@ -338,7 +330,7 @@ def compare_tensor(expected: torch.Tensor, got: object, *, world_size: int, rank
     hint = known_mistake(scale_ratio(got_f, exp_f), [  # averaged instead of summed, summed twice
         (1 / n if n > 1 else None, lambda: T("too_small", rank=rank, n=n)),
         (n if n > 1 else None, lambda: T("too_large", rank=rank, n=n)),
-    ], lambda c, v: c is not None and abs(c / v - 1) < 1e-3, first=True)
+    ], lambda c, v: c is not None and abs(c / v - 1) < 1e-3)
     return T("values_differ", rank=rank), hint or T("first_difference"), details
 
 

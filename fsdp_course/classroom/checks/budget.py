@@ -94,7 +94,7 @@ def _device_hint(got: float, psi: int, n: int, stage: int, offload: bool, unit: 
         *[(budget_formula(psi, n, other, gathered_numel=unit)["device"] if 0 <= other <= 3 and not offload else None,
            lambda other=other: T("neighbour_peak", other=STAGES[other], stage=STAGES[stage]))
           for other in (stage - 1, stage + 1)],
-    ], _close, first=True)  # in the order of the old hints: the likelier mistake first
+    ], _close)  # in the order of the old hints: the likelier mistake first
     if named is not None:
         return named
     if 0 < abs(got - device) < 8 and got == int(got):
@@ -295,7 +295,8 @@ def check_smallest_world_size(fn: Callable[[int, int, float, int, bool], int | N
     sizes: set[int] = set()
     for offload in (False, True):
         asked = f"{name}({psi}, {unit}, {RUN_CAPACITY - RUN_ACTIVATIONS}, 3, {offload})"
-        n = call_learner(check, name, fn, psi, unit, RUN_CAPACITY - RUN_ACTIVATIONS, 3, offload, where=asked)
+        n = int(_number(check, asked, call_learner(check, name, fn, psi, unit, RUN_CAPACITY - RUN_ACTIVATIONS, 3,
+                                                   offload, where=asked)))
         where = f"the run: MLP{list(RUN_SIZES)}, ZeRO-3{' with offload' if offload else ''}, {RUN_CAPACITY:,} B"
         ran = run_with_budget(int(n), offload, RUN_CAPACITY)
         if not ran[0]["fits"]:
@@ -350,7 +351,7 @@ def _traffic_hint(got: float, psi: int, n: int, stage: int) -> Message:
     return known_mistake(got, [(passes * 4 * psi, lambda: T("ring_n_minus_1")),  # the whole payload, not (N-1)/N
                                (passes * psi * ring, lambda: T("elements")),  # elements, not bytes
                                ((5 - passes) * 4 * psi * ring, lambda: T("two_or_three_passes"))],
-                         _close, first=True) or T("traffic", stage=STAGES[stage], passes=passes)
+                         _close) or T("traffic", stage=STAGES[stage], passes=passes)
 
 
 # -- comm_seconds ----------------------------------------------------------------------------------------------------
@@ -384,7 +385,7 @@ def _comm_hint(got: float, psi: int, n: int, units: int, alpha: float, beta: flo
         (total(n - 1, ring * units) if several and units > 1 else None, lambda: T("bandwidth", units=units, psi=psi)),
         (total(n - 1, ring * units, count=1) if several else None, lambda: T("own_collective")),
         (total(n - 1, ring, collectives=2) if several else None, lambda: T("three_collectives")),
-    ], _close, first=True)
+    ], _close)
     if named is not None:
         return named
     return T("one_rank") if n == 1 and got != 0 else T("per_unit")

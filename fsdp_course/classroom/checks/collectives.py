@@ -260,8 +260,8 @@ def ring_schedule(inputs: list[torch.Tensor], n: int, **changed: RingIndex) -> l
 
 
 def _ring_mistake(inputs: list[torch.Tensor], n: int, rank: int, got: Any) -> Message | None:
-    """The hint of the known wrong schedule whose result is `got` on this rank, if exactly one is (two mistakes can
-    give the same numbers: then the chunk-by-chunk diagnosis speaks)."""
+    """The hint of the known wrong schedule whose result is `got` on this rank, if one is (else the chunk-by-chunk
+    diagnosis speaks)."""
     if not isinstance(got, torch.Tensor) or got.shape != inputs[0].shape:
         return None
     return known_mistake(got.detach().to(inputs[0].dtype),

@@ -58,7 +58,7 @@ def _broadcast_problem(rank: int, name: str, got: torch.Tensor, models: list[nn.
     hint = known_mistake(got, [(originals[rank], lambda: T("own_values", rank=rank, name=name)),
                                *((o, lambda k=k: T("other_rank", rank=rank, name=name, k=k))
                                  for k, o in enumerate(originals) if k),
-                               (torch.stack(originals).mean(0), lambda: T("averaged"))], close, first=True)
+                               (torch.stack(originals).mean(0), lambda: T("averaged"))], close)
     problem = T("not_broadcast", rank=rank, name=name, diff=float((got - originals[0]).abs().max()))
     return problem, hint or T("broadcast")
 

@@ -150,7 +150,7 @@ def _with_values(module: nn.Module, base: nn.Linear, name: str) -> None:
         (1.0, lambda: T("not_scaled", alpha=ALPHA, rank=RANK, scaling=ALPHA / RANK)),
         (ALPHA, lambda: T("scaled_by_alpha", scaling=ALPHA / RANK, alpha=ALPHA)),
         (RANK / ALPHA, lambda: T("inverted", inverse=RANK / ALPHA, or_rank=or_rank, scaling=ALPHA / RANK)),
-    ], lambda a, b: abs(a - b) < 1e-4, first=True) or T("formula")
+    ], lambda a, b: abs(a - b) < 1e-4) or T("formula")
     _fail(where, T("differs_formula"), hint,
           [f"expected {format_tensor(expected)}", f"got      {format_tensor(got)}"])
 
@@ -292,7 +292,7 @@ def _judge_kept(where: str, got: Any, units: Units, n: int) -> None:
         ({"state_of_frozen": True}, lambda: T("kept_frozen_state")),
         ({"state_of_frozen": True, "step_of_frozen": True}, lambda: T("kept_frozen_state")),
         ({"moments": 1}, lambda: T("kept_one_moment")),
-        ({"step": False}, lambda: T("kept_no_step", short=short)))], first=True)
+        ({"step": False}, lambda: T("kept_no_step", short=short)))])
     _fail(where, T("kept_differs", category=category, expected=int(expected[category]), got=value),
           named or (T("kept_round") if value != int(value) else T("kept_recount")), check=KEPT_CHECK)
 

@@ -87,7 +87,7 @@ def _hint(key: str, stage: int, n: int, got: float, expected: float) -> Message:
          lambda: T("not_yet", stage_name=STAGE_NAMES[stage], what=what)),
         (expected / 2 if key == "optimizer" else None, lambda: T("adam_two")),
         (expected / 4 if expected else None, lambda: T("elements")),
-    ], lambda a, b: abs(a - b) < 1e-6 * abs(b), first=True) or T("per_parameter")
+    ], lambda a, b: abs(a - b) < 1e-6 * abs(b)) or T("per_parameter")
 
 
 def check_zero_memory(fn: Callable[[int, int, int], dict[str, float]]) -> None:

@@ -100,7 +100,7 @@ def _compare_clip(check: str, n: int, case: str, max_norm: float, rank: int, nor
         hint = known_mistake(norm, [(own, lambda: T("own_norm", norm=norm, rank=rank)),
                                     (sum(norms), lambda: T("norms_add")),
                                     (total / math.sqrt(n), lambda: T("sqrt_mean"))],
-                             lambda a, b: abs(a - b) <= 1e-5 * b, first=True)
+                             lambda a, b: abs(a - b) <= 1e-5 * b)
         CheckFailure(check, where, T("wrong_norm", rank=rank, norm=norm, total=total), hint or T("norm_formula")).fail()
     for i, (got, full) in enumerate(zip(clipped, reference, strict=True)):
         expected = full.chunk(n)[rank]

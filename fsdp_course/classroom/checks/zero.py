@@ -159,8 +159,8 @@ def _judge(check: str, where: str, n: int, rank: int, run: _Run, expected: list[
             numel, padded = sizes[b], padded_numel(sizes[b], n)
             hint = known_mistake(chunk.numel(), [  # the whole bucket; the last rank's chunk cut at the padding
                 (padded, lambda: T("whole_bucket")),
-                (numel - (n - 1) * (padded // n) if n > 1 and rank == n - 1 else None, lambda: T("keep_whole"))],
-                first=True) or T("flatten_pad", numel=numel, padded=padded, n=n, each=padded // n)
+                (numel - (n - 1) * (padded // n) if n > 1 and rank == n - 1 else None, lambda: T("keep_whole")),
+            ]) or T("flatten_pad", numel=numel, padded=padded, n=n, each=padded // n)
             fail(T("chunk_shape", label=label, got=tuple(chunk.shape), expected=tuple(want.shape)), hint, details)
         if torch.allclose(chunk.double(), want.double(), rtol=RTOL, atol=ATOL):
             continue
